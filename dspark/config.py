@@ -1,0 +1,295 @@
+"""Frozen configuration dataclasses of the core.
+
+Everything inside ``dspark/`` takes these; the pydantic models in :mod:`dspark.schema`
+validate user input at the boundary (YAML, HTTP, gRPC, CLI) and convert into them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+AttentionKind = Literal["gqa", "mla"]
+
+
+class ConfigError(ValueError):
+    """A configuration or request value is invalid; the message names the field."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding, optionally scaled (``llama3``, ``linear`` or ``yarn``)."""
+
+    theta: float = 10000.0
+    scaling_type: str | None = None
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    @classmethod
+    def from_hf(cls, theta: float, scaling: dict[str, Any] | None) -> RopeConfig:
+        if not scaling:
+            return cls(theta=theta)
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind in (None, "default"):
+            return cls(theta=theta)
+        if kind not in ("linear", "llama3", "yarn"):
+            raise ConfigError("rope_scaling.rope_type", f"unsupported rope scaling {kind!r}")
+        known = {f.name for f in fields(cls)} - {"theta", "scaling_type"}
+        kwargs = {k: v for k, v in scaling.items() if k in known and v is not None}
+        return cls(theta=theta, scaling_type=kind, **kwargs)
+
+    def to_hf(self) -> dict[str, Any] | None:
+        if self.scaling_type is None:
+            return None
+        out: dict[str, Any] = {"rope_type": self.scaling_type, "factor": self.factor}
+        if self.scaling_type == "llama3":
+            out.update(
+                low_freq_factor=self.low_freq_factor,
+                high_freq_factor=self.high_freq_factor,
+                original_max_position_embeddings=self.original_max_position_embeddings,
+            )
+        if self.scaling_type == "yarn":
+            out.update(
+                beta_fast=self.beta_fast,
+                beta_slow=self.beta_slow,
+                mscale=self.mscale,
+                mscale_all_dim=self.mscale_all_dim,
+                original_max_position_embeddings=self.original_max_position_embeddings,
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Shape of a stack of dense decoder layers: used by the target and by the draft backbone."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    attention: AttentionKind = "gqa"
+    attention_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    # Multi-head latent attention (DeepSeek-V3 style); used when attention == "mla".
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
+        if self.attention == "gqa":
+            if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+                raise ConfigError(
+                    "num_key_value_heads",
+                    f"{self.num_kv_heads} must divide num_attention_heads {self.num_heads}",
+                )
+            if self.head_dim <= 0 or self.head_dim % 2:
+                raise ConfigError("head_dim", f"must be a positive even number, got {self.head_dim}")
+        elif self.attention == "mla":
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) <= 0:
+                    raise ConfigError(name, "must be positive for MLA attention")
+        else:
+            raise ConfigError("attention", f"must be 'gqa' or 'mla', got {self.attention!r}")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
+        """Read a Hugging Face decoder config (llama, mistral, qwen2, qwen3, deepseek_v3 attention)."""
+        model_type = hf.get("model_type", "llama")
+        known = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3", "kimi_k2")
+        if model_type not in known:
+            raise ConfigError("model_type", f"{model_type!r} is not supported (supported: {', '.join(known)})")
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            if key not in hf:
+                raise ConfigError(key, "missing from the model config")
+        heads = hf["num_attention_heads"]
+        mla = model_type in ("deepseek_v3", "kimi_k2") or "kv_lora_rank" in hf
+        return cls(
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf.get("intermediate_size", 4 * hf["hidden_size"]),
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            vocab_size=hf["vocab_size"],
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope=RopeConfig.from_hf(hf.get("rope_theta", 10000.0), hf.get("rope_scaling")),
+            attention="mla" if mla else "gqa",
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=hf.get("max_position_embeddings", 8192),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            q_lora_rank=hf.get("q_lora_rank"),
+            kv_lora_rank=hf.get("kv_lora_rank", 0) or 0,
+            qk_nope_head_dim=hf.get("qk_nope_head_dim", 0) or 0,
+            qk_rope_head_dim=hf.get("qk_rope_head_dim", 0) or 0,
+            v_head_dim=hf.get("v_head_dim", 0) or 0,
+            model_type=model_type,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face decoder config of this shape (``transformer_layer_config``)."""
+        out: dict[str, Any] = {
+            "model_type": self.model_type,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope.theta,
+            "rope_scaling": self.rope.to_hf(),
+            "attention_bias": self.attention_bias,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+        if self.attention == "mla":
+            out.update(
+                q_lora_rank=self.q_lora_rank,
+                kv_lora_rank=self.kv_lora_rank,
+                qk_nope_head_dim=self.qk_nope_head_dim,
+                qk_rope_head_dim=self.qk_rope_head_dim,
+                v_head_dim=self.v_head_dim,
+            )
+        return out
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def kv_cache_heads(self) -> int:
+        return self.num_heads if self.attention == "mla" else self.num_kv_heads
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.attention == "mla" else self.head_dim
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """A DSpark draft head: backbone shape plus the DSpark-specific parts."""
+
+    backbone: DecoderConfig
+    target_hidden_size: int
+    target_layer_ids: tuple[int, ...]
+    block_size: int = 7
+    mask_token_id: int = 0
+    markov_rank: int = 256
+    enable_markov_head: bool = True
+    enable_confidence_head: bool = True
+    # Sequential Temperature Scaling of the confidence head, one temperature per position.
+    confidence_temperatures: tuple[float, ...] = ()
+    verifier_name_or_path: str = ""
+    verifier_architectures: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError("block_size", f"must be >= 1, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ConfigError("aux_hidden_state_layer_ids", "needs at least one target layer")
+        if any(i < 0 for i in self.target_layer_ids):
+            raise ConfigError("aux_hidden_state_layer_ids", "layer ids must be >= 0")
+        if self.enable_markov_head and self.markov_rank <= 0:
+            raise ConfigError("markov_rank", f"must be positive, got {self.markov_rank}")
+        if not 0 <= self.mask_token_id < self.backbone.vocab_size:
+            raise ConfigError("mask_token_id", f"{self.mask_token_id} outside vocabulary")
+        if self.confidence_temperatures and len(self.confidence_temperatures) != self.block_size:
+            raise ConfigError(
+                "confidence_temperatures",
+                f"needs {self.block_size} entries (one per block position), got "
+                f"{len(self.confidence_temperatures)}",
+            )
+        if any(t <= 0 for t in self.confidence_temperatures):
+            raise ConfigError("confidence_temperatures", "temperatures must be positive")
+
+    @property
+    def num_feature_layers(self) -> int:
+        return len(self.target_layer_ids)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping parameters (validated, immutable)."""
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ConfigError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ConfigError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError("top_k", f"must be >= 0 (0 disables), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """In-process engine knobs."""
+
+    speculate: bool = True
+    block_size: int | None = None  # None: the draft checkpoint's block size
+    verification: Literal["token", "block"] = "block"
+    scheduler: Literal["confidence", "full"] = "confidence"
+    max_num_seqs: int = 16
+    kv_block_size: int = 16
+    kv_cache_tokens: int = 65536
+    max_model_len: int = 4096
+    draft_top_k: int = 64  # draft sampled from its top-k tokens (exact probabilities handed on)
+    dtype: str = "float32"
+    profile_max_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.verification not in ("token", "block"):
+            raise ConfigError("verification", f"must be 'token' or 'block', got {self.verification!r}")
+        if self.scheduler not in ("confidence", "full"):
+            raise ConfigError("scheduler", f"must be 'confidence' or 'full', got {self.scheduler!r}")
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs", "must be >= 1")
+        if self.kv_block_size < 1:
+            raise ConfigError("kv_block_size", "must be >= 1")
+        if self.kv_cache_tokens < self.kv_block_size:
+            raise ConfigError("kv_cache_tokens", "must hold at least one KV block")
+        if self.block_size is not None and self.block_size < 1:
+            raise ConfigError("block_size", "must be >= 1")
+        if self.draft_top_k < 0:
+            raise ConfigError("draft_top_k", "must be >= 0 (0: full vocabulary)")
+        if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
+            raise ConfigError("dtype", f"unsupported dtype {self.dtype!r}")

@@ -1,0 +1,180 @@
+"""The DSpark draft head.
+
+Parallel stage: the fused target features (``fc`` + ``hidden_norm``) are the keys/values of
+the context; the block (anchor + gamma-1 mask tokens, embedded with the target's embedding)
+gives the queries; one bidirectional pass yields gamma hidden states and base logits through
+the target's LM head. Sequential stage: a low-rank Markov head adds ``W1[x_{k-1}] @ W2`` to
+position k's logits and tokens are sampled left to right; the confidence head estimates
+``P(token k survives | tokens < k survived)`` from ``[h_k; W1[x_{k-1}]]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dspark.config import DraftConfig
+from dspark.kv_cache import AttentionMetadata, PagedKVCache
+from dspark.layers import DecoderLayer, RMSNorm
+from dspark.sampling import SamplingTensors, logits_to_probs, sample_from
+
+
+@dataclass
+class DraftProposal:
+    """What a drafter hands to the scheduler and the verifier."""
+
+    tokens: torch.Tensor  # [B, G] int64 drafted tokens
+    draft_probs: torch.Tensor  # [B, G, V] the exact distributions the tokens were sampled from
+    confidences: torch.Tensor  # [B, G] calibrated P(token k accepted | tokens < k accepted)
+
+
+class MarkovHead(nn.Module):
+    """Low-rank first-order transition bias B(x_{k-1}, .) = W1[x_{k-1}] @ W2."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        nn.init.normal_(self.markov_w1.weight, std=0.02)
+        nn.init.zeros_(self.markov_w2.weight)  # starts as the plain parallel drafter
+
+    def forward(self, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # prev_tokens: [...] -> (bias [..., V], markov embedding [..., r])
+        embedding = self.markov_w1(prev_tokens)
+        return self.markov_w2(embedding), embedding
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, in_features: int):
+        super().__init__()
+        self.proj = nn.Linear(in_features, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        # features: [..., in_features] -> logit [...]
+        return self.proj(features)[..., 0]
+
+
+class DSparkDraft(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        bb = cfg.backbone
+        self.fc = nn.Linear(cfg.num_feature_layers * cfg.target_hidden_size, bb.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(bb.hidden_size, bb.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(bb) for _ in range(bb.num_layers))
+        self.norm = RMSNorm(bb.hidden_size, bb.rms_norm_eps)
+        self.markov_head = MarkovHead(bb.vocab_size, cfg.markov_rank) if cfg.enable_markov_head else None
+        conf_in = bb.hidden_size + (cfg.markov_rank if cfg.enable_markov_head else 0)
+        self.confidence_head = ConfidenceHead(conf_in) if cfg.enable_confidence_head else None
+        temps = cfg.confidence_temperatures or (1.0,) * cfg.block_size
+        self.register_buffer("confidence_temperatures", torch.tensor(temps), persistent=False)
+        self._shared: dict[str, nn.Module] = {}  # target embedding and LM head: never parameters of ours
+
+    def bind_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> DSparkDraft:
+        """Share the target's (frozen) embedding and LM head."""
+        if embed_tokens.weight.shape[1] != self.config.backbone.hidden_size:
+            raise ValueError(
+                f"target hidden size {embed_tokens.weight.shape[1]} != draft hidden size "
+                f"{self.config.backbone.hidden_size}"
+            )
+        self._shared = {"embed_tokens": embed_tokens, "lm_head": lm_head}
+        return self
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._shared["embed_tokens"]
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._shared["lm_head"]
+
+    def make_cache(self, num_tokens: int, block_size: int) -> PagedKVCache:
+        bb = self.config.backbone
+        return PagedKVCache(
+            bb.num_layers, num_tokens, block_size, bb.kv_cache_heads, bb.qk_head_dim, bb.value_head_dim,
+            self.fc.weight.dtype, self.fc.weight.device,
+        )
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        # features: [..., K * target_hidden] -> [..., hidden]
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def backbone(
+        self,
+        block_ids: torch.Tensor,  # [B, G] anchor followed by mask tokens
+        block_positions: torch.Tensor,  # [B, G]
+        context: torch.Tensor,  # [B, C, hidden] fused features of new context positions (C may be 0)
+        context_positions: torch.Tensor,  # [B, C]
+        cache: PagedKVCache | None,  # the context keys/values of earlier rounds
+        meta: AttentionMetadata | None,  # writes of the new context, reads of all context
+    ) -> torch.Tensor:  # [B, G, hidden]
+        """One parallel pass over the block; new context keys/values are added to the cache."""
+        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
+        batch, block = block_ids.shape
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.project_q(h, block_positions)
+            k_block, v_block = attn.project_kv(h, block_positions)
+            if cache is None:  # training: the whole context is passed in every time
+                k_ctx, v_ctx = attn.project_kv(context, context_positions)
+                ctx_valid = torch.ones(batch, context.shape[1], dtype=torch.bool, device=x.device)
+            else:
+                if context.shape[1]:
+                    k_new, v_new = attn.project_kv(context, context_positions)
+                    cache.write(index, meta.write_slots, k_new, v_new)
+                k_ctx, v_ctx = cache.gather(index, meta.read_slots)
+                ctx_valid = meta.key_valid
+            keys = torch.cat((k_ctx.to(k_block.dtype), k_block), dim=1)
+            values = torch.cat((v_ctx.to(v_block.dtype), v_block), dim=1)
+            mask = torch.cat((ctx_valid[:, None, :].expand(-1, block, -1),
+                              torch.ones(batch, block, block, dtype=torch.bool, device=x.device)), dim=-1)
+            x = x + attn.attend(q, keys, values, mask)
+            x = layer.feed_forward(x)
+        return self.norm(x)
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [..., hidden] -> [..., V] float32
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+
+    def position_logits(
+        self,
+        base_logits: torch.Tensor,  # [..., V]
+        hidden: torch.Tensor,  # [..., hidden]
+        prev_tokens: torch.Tensor,  # [...] token before each position (anchor for position 1)
+        position: torch.Tensor | int,  # 0-based block position(s) for the calibration temperature
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [..., V], confidence logit [...] (calibrated)
+        """The sequential stage at one or many positions (teacher-forced in training)."""
+        logits, markov_embedding = base_logits, None
+        if self.markov_head is not None:
+            bias, markov_embedding = self.markov_head(prev_tokens)
+            logits = base_logits + bias.float()
+        if self.confidence_head is None:
+            return logits, torch.full(logits.shape[:-1], 30.0)
+        features = hidden if markov_embedding is None else torch.cat((hidden, markov_embedding), dim=-1)
+        conf_logit = self.confidence_head(features).float() / self.confidence_temperatures[position]
+        return logits, conf_logit
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        hidden: torch.Tensor,  # [B, G, hidden] from ``backbone``
+        anchors: torch.Tensor,  # [B] last committed token of each sequence
+        sampling: SamplingTensors,  # B rows
+        prefilter_k: int,
+    ) -> DraftProposal:
+        """Sample the block left to right, each token conditioned on the one before it."""
+        base = self.base_logits(hidden)
+        tokens, probs, confidences = [], [], []
+        prev = anchors
+        uniforms = sampling.uniforms(hidden.shape[1])  # [B, G]
+        for k in range(hidden.shape[1]):
+            logits, conf_logit = self.position_logits(base[:, k], hidden[:, k], prev, k)
+            draft_probs = logits_to_probs(logits, sampling, prefilter_k)
+            prev = sample_from(draft_probs, uniforms[:, k])
+            tokens.append(prev)
+            probs.append(draft_probs)
+            confidences.append(torch.sigmoid(conf_logit))
+        return DraftProposal(torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(confidences, 1))

@@ -1,0 +1,327 @@
+"""The in-process engine: continuous batching with DSpark speculative decoding.
+
+Each ``step`` reads top to bottom: schedule (admit, choose prefill and decode batches) ->
+draft -> (confidence) schedule the verified prefix -> verify -> commit -> emit. With
+``speculate=False`` (or no drafter) the very same loop verifies zero-length drafts, which
+is plain autoregressive decoding: the baseline of every comparison.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from dspark.config import ConfigError, EngineConfig, SamplingParams
+from dspark.draft_model import DraftProposal
+from dspark.drafter import Drafter
+from dspark.metrics import SpecMetrics
+from dspark.request import Request, RequestOutput, Status
+from dspark.sampling import SamplingTensors, logits_to_probs
+from dspark.scheduler import StepCostProfile, schedule_full, schedule_prefix
+from dspark.target_model import TargetModel
+from dspark.verification import VerifyResult, verify
+
+
+@dataclass
+class GenerationResult:
+    request_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    metrics: SpecMetrics
+
+
+@dataclass
+class _Round:
+    """One verify pass over a group of requests."""
+
+    requests: list[Request]
+    proposal: DraftProposal | None
+    lengths: torch.Tensor  # [B] draft tokens verified per request
+
+
+class Engine:
+    def __init__(
+        self,
+        target: TargetModel,
+        tokenizer,
+        drafter: Drafter | None,
+        config: EngineConfig,
+        feature_layers: tuple[int, ...] = (),
+        profile: StepCostProfile | None = None,
+    ):
+        self.target, self.tokenizer, self.config = target, tokenizer, config
+        self.drafter = drafter if config.speculate else None
+        self.block_size = self.drafter.block_size if self.drafter else 0
+        self.feature_layers = feature_layers if self.drafter else ()
+        if self.drafter is not None:
+            bad = [i for i in feature_layers if i >= target.config.num_layers]
+            if bad:
+                raise ConfigError("aux_hidden_state_layer_ids",
+                                  f"{bad} beyond the target's {target.config.num_layers} layers")
+        self.cache = target.make_cache(config.kv_cache_tokens, config.kv_block_size)
+        self.eos_ids = self._eos_ids(tokenizer)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self.metrics = SpecMetrics()
+        self._ids = itertools.count()
+        self.profile = profile
+        if self.drafter is not None and config.scheduler == "confidence" and profile is None:
+            self.profile = self.measure_profile()
+
+    # ------------------------------------------------------------------ requests
+    @staticmethod
+    def _eos_ids(tokenizer) -> set[int]:
+        if tokenizer is None:
+            return set()
+        ids = set()
+        if tokenizer.eos_token_id is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+            tid = tokenizer.convert_tokens_to_ids(token) if token in tokenizer.get_vocab() else None
+            if tid is not None:
+                ids.add(int(tid))
+        return ids
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: int | None = None) -> int:
+        if not prompt_ids:
+            raise ConfigError("prompt", "must not be empty")
+        limit = self.config.max_model_len
+        if len(prompt_ids) >= limit:
+            raise ConfigError("prompt", f"{len(prompt_ids)} tokens do not fit the context of {limit} tokens")
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise ConfigError(
+                "max_tokens", f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds {limit}"
+            )
+        vocab = self.target.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ConfigError("prompt", f"token ids must be in [0, {vocab})")
+        rid = next(self._ids) if request_id is None else request_id
+        request = Request(rid, list(prompt_ids), params)
+        if self.cache.allocator.blocks_for(request.reservation) > self.cache.allocator.usable_blocks:
+            raise ConfigError("max_tokens", "request can never fit the KV cache: lower max_tokens or the prompt")
+        self.requests[rid] = request
+        self.waiting.append(request)
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        request = self.requests.get(request_id)
+        if request is not None and request.status != Status.FINISHED:
+            self._finish(request, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        prefill, decode = self._schedule()
+        rounds = []
+        if prefill:
+            rounds.append(_Round(prefill, None, torch.zeros(len(prefill), dtype=torch.long)))
+        if decode and self.drafter is not None:
+            proposal = self._draft(decode)
+            rounds.append(_Round(decode, proposal, self._schedule_verify(decode, proposal)))
+        elif decode:
+            rounds.append(_Round(decode, None, torch.zeros(len(decode), dtype=torch.long)))
+        for round_ in rounds:
+            result, features = self._verify(round_)
+            self._commit(round_, result, features)
+        return self._emit(prefill + decode)
+
+    def _schedule(self) -> tuple[list[Request], list[Request]]:
+        """Admit waiting requests while sequence slots and cache reservations allow."""
+        decode = [r for r in self.running if r.status == Status.RUNNING]
+        prefill = []
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not self.cache.allocator.can_reserve(request.reservation):
+                break
+            if self.drafter is not None and hasattr(self.drafter, "can_start") and not self.drafter.can_start(request):
+                break
+            self.waiting.popleft()
+            self.cache.allocator.reserve(request.request_id, request.reservation)
+            if self.drafter is not None:
+                self.drafter.start(request)
+            request.status = Status.RUNNING
+            self.running.append(request)
+            prefill.append(request)
+        return prefill, decode
+
+    def _sampling(self, requests: list[Request]) -> SamplingTensors:
+        return SamplingTensors.build([r.params for r in requests], [r.generator for r in requests])
+
+    def _draft(self, requests: list[Request]) -> DraftProposal:
+        return self.drafter.propose(requests, self._sampling(requests))
+
+    def _max_lengths(self, requests: list[Request]) -> torch.Tensor:
+        # a round commits at most (verified + 1) tokens: never verify past max_tokens
+        return torch.tensor([max(min(self.block_size, r.remaining - 1), 0) for r in requests])
+
+    def _schedule_verify(self, requests: list[Request], proposal: DraftProposal) -> torch.Tensor:
+        caps = self._max_lengths(requests)
+        if self.config.scheduler == "confidence":
+            return schedule_prefix(proposal.confidences, self.profile, caps)
+        return schedule_full(self.block_size, caps)
+
+    def _verify(self, round_: _Round) -> tuple[VerifyResult, torch.Tensor | None]:
+        requests, lengths, block = round_.requests, round_.lengths, self.block_size
+        lengths_list = lengths.tolist()
+        uncached = [r.num_uncached for r in requests]
+        num_new = [u + n for u, n in zip(uncached, lengths_list)]
+        ids = [r.request_id for r in requests]
+        starts = [r.num_cached for r in requests]
+        meta = self.cache.allocator.metadata(ids, starts, num_new, causal=True)
+        q_max = max(num_new)
+        input_ids = torch.zeros(len(requests), q_max, dtype=torch.long)
+        draft_tokens = (round_.proposal.tokens if round_.proposal is not None
+                        else torch.zeros(len(requests), block, dtype=torch.long))
+        for b, r in enumerate(requests):
+            input_ids[b, : uncached[b]] = torch.tensor(r.tokens[r.num_cached:])
+        idx = torch.arange(q_max)[None, :]
+        u = torch.tensor(uncached)[:, None]
+        draft_index = (idx - u).clamp(0, max(block - 1, 0))
+        if block:
+            input_ids = torch.where((idx >= u) & (idx < torch.tensor(num_new)[:, None]),
+                                    draft_tokens.gather(1, draft_index), input_ids)
+        positions = torch.tensor(starts)[:, None] + idx
+        logits_at = (u - 1 + torch.arange(block + 1)[None, :]).clamp(max=q_max - 1)
+        out = self.target(input_ids, positions, self.cache, meta, logits_at, self.feature_layers)
+        sampling = self._sampling(requests)
+        greedy = sampling.greedy
+        if bool(greedy.all()):
+            target_probs = out.logits
+        else:
+            flat = logits_to_probs(out.logits.flatten(0, 1), sampling.repeat(block + 1))
+            target_probs = flat.view_as(out.logits)
+        draft_probs = (round_.proposal.draft_probs if round_.proposal is not None
+                       else torch.zeros(len(requests), block, out.logits.shape[-1]))
+        result = verify(self.config.verification, draft_tokens, lengths, draft_probs, out.logits,
+                        target_probs, greedy, sampling.uniforms(block + 2))
+        return result, out.features
+
+    def _commit(self, round_: _Round, result: VerifyResult, features: torch.Tensor | None) -> None:
+        tokens_rows = result.tokens.tolist()
+        accepted_rows = result.num_accepted.tolist()
+        lengths = round_.lengths.tolist()
+        for b, request in enumerate(round_.requests):
+            if request.status == Status.FINISHED:  # aborted while in flight
+                continue
+            accepted = accepted_rows[b]
+            kept = request.num_uncached + accepted  # cache entries that stay
+            if features is not None:
+                if not request.pending_features:
+                    request.pending_start = request.num_cached
+                request.pending_features.append(features[b, :kept])
+            request.num_cached += kept
+            self.cache.allocator.truncate(request.request_id, request.num_cached)
+            new = [t for t in tokens_rows[b][: accepted + 1]]
+            drafted = self.block_size if round_.proposal is not None else 0
+            request.metrics.record_round(drafted, lengths[b], accepted)
+            self.metrics.record_round(drafted, lengths[b], accepted)
+            self._append(request, new)
+
+    def _append(self, request: Request, new: list[int]) -> None:
+        """Commit tokens, applying max_tokens, EOS and stop strings."""
+        reason = None
+        for i, token in enumerate(new):
+            if not request.params.ignore_eos and token in self.eos_ids:
+                new, reason = new[: i + 1], "stop"
+                break
+        if len(new) >= request.remaining:
+            new = new[: request.remaining]
+            reason = reason or "length"
+        request.tokens.extend(new)
+        request.new_tokens.extend(new)
+        request.metrics.completion_tokens += len(new)
+        self.metrics.completion_tokens += len(new)
+        if request.params.stop and self.tokenizer is not None and reason != "stop":
+            cut = self._stop_cut(request)
+            if cut is not None:
+                drop = len(request.output_ids) - cut
+                if drop:
+                    del request.tokens[-drop:]
+                    del request.new_tokens[-drop:]
+                reason = "stop"
+        if reason is not None:
+            self._finish(request, reason)
+
+    def _stop_cut(self, request: Request) -> int | None:
+        """Number of output tokens up to the one that completes a stop string, if any."""
+        out = request.output_ids
+        for n in range(max(len(out) - len(request.new_tokens), 1), len(out) + 1):
+            text = self.tokenizer.decode(out[:n], skip_special_tokens=True)
+            if any(s in text for s in request.params.stop):
+                return n
+        return None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.status, request.finish_reason = Status.FINISHED, reason
+        request.metrics.record_finished(request.metrics.completion_tokens, request.metrics.verify_steps)
+        self.metrics.record_finished(request.metrics.completion_tokens, request.metrics.verify_steps)
+        self.cache.allocator.free(request.request_id)
+        if self.drafter is not None:
+            self.drafter.release(request)
+        request.pending_features = []
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+
+    def _emit(self, requests: list[Request]) -> list[RequestOutput]:
+        outputs = []
+        for request in requests:
+            finished = request.status == Status.FINISHED
+            if request.new_tokens or finished:
+                outputs.append(RequestOutput(request.request_id, request.new_tokens, finished, request.finish_reason))
+                request.new_tokens = []
+        return outputs
+
+    # ------------------------------------------------------------------ conveniences
+    def stream(self) -> Iterator[RequestOutput]:
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        for _ in self.stream():
+            pass
+        return [self.result(i) for i in ids]
+
+    def result(self, request_id: int) -> GenerationResult:
+        r = self.requests.pop(request_id)
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if self.tokenizer else ""
+        if r.params.stop:
+            for s in r.params.stop:
+                if s in text:
+                    text = text[: text.index(s)]
+        return GenerationResult(r.request_id, r.prompt_ids, r.output_ids, text, r.finish_reason or "", r.metrics)
+
+    def measure_profile(self) -> StepCostProfile:
+        """Profile verify cost against batch tokens on this machine (the scheduler's SPS table)."""
+        cap = min(self.config.profile_max_tokens, self.config.max_num_seqs * (self.block_size + 1))
+        counts = sorted({1, *[2**i for i in range(1, 16) if 2**i <= cap], cap})
+        alloc, sid = self.cache.allocator, -1
+        alloc.reserve(sid, cap + 64)
+
+        def run(n: int) -> None:
+            alloc.truncate(sid, 64)
+            meta = alloc.metadata([sid], [64], [n])
+            ids = torch.zeros(1, n, dtype=torch.long)
+            self.target(ids, 64 + torch.arange(n)[None], self.cache, meta, None, self.feature_layers)
+
+        try:
+            alloc.grow(sid, 64)
+            draft = getattr(self.drafter, "round_seconds", None)
+            profile = StepCostProfile.measure(run, counts)
+            if draft is not None:
+                profile = StepCostProfile(profile.token_counts, profile.seconds, draft())
+        finally:
+            alloc.free(sid)
+        return profile

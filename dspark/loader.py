@@ -1,0 +1,52 @@
+"""Building a ready engine (target, tokenizer, drafter) from a validated config."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dspark.checkpoint import load_draft
+from dspark.config import ConfigError, EngineConfig
+from dspark.drafter import DSparkDrafter
+from dspark.engine import Engine
+from dspark.schema import EngineFileConfig
+from dspark.target_model import DTYPES, TargetModel, load_target
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("target.path", f"cannot load a tokenizer from {path}: {exc}") from None
+
+
+def build_drafter(cfg: EngineFileConfig, target: TargetModel, engine_cfg: EngineConfig) -> DSparkDrafter | None:
+    if not engine_cfg.speculate or not cfg.draft.path:
+        return None
+    draft_path = cfg.resolve(cfg.draft.path)
+    if not draft_path.is_dir():
+        raise ConfigError("draft.path", f"{draft_path} is not a directory")
+    draft = load_draft(draft_path, target.config, DTYPES[cfg.draft.dtype])
+    draft.bind_target(target.embed_tokens, target.lm_head)
+    return DSparkDrafter(draft, engine_cfg.kv_cache_tokens, engine_cfg.kv_block_size, engine_cfg.draft_top_k,
+                         engine_cfg.block_size)
+
+
+def build_engine(cfg: EngineFileConfig, speculate: bool | None = None, threads: int | None = None) -> Engine:
+    if threads:
+        torch.set_num_threads(threads)
+    target_path = cfg.resolve(cfg.target.path)
+    if not target_path.is_dir():
+        raise ConfigError("target.path", f"{target_path} is not a directory (run `dspark prepare`?)")
+    engine_cfg = cfg.engine.to_core(cfg.target.dtype)
+    if speculate is not None:
+        engine_cfg = replace(engine_cfg, speculate=speculate)
+    target = load_target(target_path, cfg.target.dtype)
+    tokenizer = load_tokenizer(target_path)
+    drafter = build_drafter(cfg, target, engine_cfg)
+    layers = drafter.model.config.target_layer_ids if drafter else ()
+    return Engine(target, tokenizer, drafter, engine_cfg, feature_layers=layers)

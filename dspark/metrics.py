@@ -1,0 +1,72 @@
+"""Speculative-decoding counters, with vLLM's names and the seeds' two acceptance lengths."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    num_drafts: int = 0  # request-rounds that verified at least one draft token
+    num_draft_tokens: int = 0  # draft tokens sent to verification (after the scheduler)
+    num_drafted_tokens: int = 0  # draft tokens produced by the drafter (before the scheduler)
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    verify_steps: int = 0  # request-rounds through the target (prefill included)
+    completion_tokens: int = 0
+    num_requests: int = 0  # finished requests folded into the per-request average
+    sum_request_acceptance: float = 0.0  # sum over finished requests of completion/verify steps
+    drafter_fallbacks: int = 0  # rounds served by plain decoding because the drafter failed
+
+    def record_round(self, drafted: int, scheduled: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.num_drafted_tokens += drafted
+        if scheduled > 0:
+            self.num_drafts += 1
+            self.num_draft_tokens += scheduled
+            self.num_accepted_tokens += accepted
+            if len(self.accepted_per_pos) < scheduled:
+                self.accepted_per_pos.extend([0] * (scheduled - len(self.accepted_per_pos)))
+            for i in range(accepted):
+                self.accepted_per_pos[i] += 1
+
+    def record_finished(self, completion_tokens: int, verify_steps: int) -> None:
+        self.num_requests += 1
+        self.sum_request_acceptance += completion_tokens / max(verify_steps, 1)
+
+    def merge(self, other: SpecMetrics) -> SpecMetrics:
+        out = SpecMetrics(**{k: v for k, v in asdict(self).items() if k != "accepted_per_pos"})
+        for name in (
+            "num_drafts", "num_draft_tokens", "num_drafted_tokens", "num_accepted_tokens", "verify_steps",
+            "completion_tokens", "num_requests", "sum_request_acceptance", "drafter_fallbacks",
+        ):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        size = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pad = lambda v: v + [0] * (size - len(v))  # noqa: E731
+        out.accepted_per_pos = [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))]
+        return out
+
+    @property
+    def acceptance_length(self) -> float:
+        """Pooled: 1 + accepted / drafts (vLLM's definition, counts the bonus token)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_length_per_request(self) -> float:
+        """Completion tokens / verify steps per request, averaged over requests (the release's)."""
+        if self.num_requests:
+            return self.sum_request_acceptance / self.num_requests
+        return self.completion_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        return [a / self.num_drafts for a in self.accepted_per_pos] if self.num_drafts else []
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            acceptance_length=self.acceptance_length,
+            acceptance_length_per_request=self.acceptance_length_per_request,
+            acceptance_rate_per_pos=self.acceptance_rate_per_pos,
+        )
+        return out

@@ -1,0 +1,102 @@
+"""Turning logits into the distributions tokens are sampled from.
+
+Temperature, top-k and top-p are applied identically to target and draft logits, row by row
+with per-row parameters. Greedy rows (temperature 0) become one-hot distributions on the
+argmax, so one code path carries mixed batches. Randomness always comes from per-request
+``torch.Generator`` objects, one per row, never from global state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.config import SamplingParams
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of a batch, ready for vectorised use."""
+
+    temperature: torch.Tensor  # [B] float (0 = greedy)
+    top_p: torch.Tensor  # [B] float in (0, 1]
+    top_k: torch.Tensor  # [B] int64 (0 = off)
+    generators: list[torch.Generator]  # one per row
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], generators: list[torch.Generator]) -> SamplingTensors:
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
+            generators=generators,
+        )
+
+    @property
+    def greedy(self) -> torch.Tensor:  # [B] bool
+        return self.temperature == 0
+
+    def repeat(self, n: int) -> SamplingTensors:
+        """Each row repeated n times (row b -> rows b*n .. b*n+n-1), for per-position processing."""
+        return SamplingTensors(
+            self.temperature.repeat_interleave(n),
+            self.top_p.repeat_interleave(n),
+            self.top_k.repeat_interleave(n),
+            [g for g in self.generators for _ in range(n)],
+        )
+
+    def uniforms(self, n: int) -> torch.Tensor:  # [B, n] in [0, 1)
+        if not self.generators:
+            return torch.empty(0, n)
+        return torch.stack([torch.rand(n, generator=g) for g in self.generators])
+
+
+def _truncate_sorted(
+    sorted_logits: torch.Tensor,  # [N, K] descending, already divided by temperature
+    top_p: torch.Tensor,  # [N]
+    top_k: torch.Tensor,  # [N]
+) -> torch.Tensor:  # [N, K] probabilities over the sorted candidates
+    rank = torch.arange(sorted_logits.shape[-1])[None, :]
+    keep_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    probs = torch.softmax(sorted_logits.masked_fill(~keep_k, float("-inf")), dim=-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    mass_before = probs.cumsum(-1) - probs
+    keep = keep_k & ((mass_before < top_p[:, None]) | (rank == 0))
+    probs = probs.masked_fill(~keep, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [N, V]
+    params: SamplingTensors,  # N rows
+    prefilter_k: int = 0,  # > 0: only the top prefilter_k logits can be sampled (draft side)
+) -> torch.Tensor:  # [N, V] float32, rows sum to 1
+    """The exact distribution a row's token is sampled from."""
+    logits = logits.float()
+    greedy = params.greedy
+    temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
+    scaled = logits / temperature[:, None]
+    vocab = logits.shape[-1]
+    if 0 < prefilter_k < vocab:
+        values, index = scaled.topk(prefilter_k, dim=-1)
+    else:
+        values, index = scaled.sort(dim=-1, descending=True)
+    probs = torch.zeros_like(scaled).scatter_(-1, index, _truncate_sorted(values, params.top_p, params.top_k))
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def sample_from(
+    probs: torch.Tensor,  # [N, V] (need not be normalised; non-negative)
+    uniforms: torch.Tensor,  # [N] in [0, 1)
+) -> torch.Tensor:  # [N] int64 token ids
+    """Inverse-CDF sampling: one uniform per row, only tokens with positive mass can come out."""
+    cdf = probs.cumsum(-1)
+    target = uniforms * cdf[:, -1]
+    index = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    # rounding can push the draw past the last positive-mass token: fall back to that token
+    last_positive = (probs > 0).long().cumsum(-1).argmax(-1)
+    return torch.minimum(index, last_positive)

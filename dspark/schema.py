@@ -1,0 +1,124 @@
+"""Boundary models: what users write (YAML configs, CLI flags, HTTP/gRPC requests).
+
+Each model validates strictly (unknown keys are errors) and converts into the frozen core
+dataclasses of :mod:`dspark.config`. :func:`format_validation_error` turns pydantic's errors
+into one line per bad field, naming it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dspark.config import ConfigError, EngineConfig, SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TargetSpec(_Strict):
+    path: str = Field(description="Local Hugging Face checkpoint directory of the target (config.json, "
+                                  "safetensors, tokenizer). '~' and $VARS are expanded; relative paths are "
+                                  "relative to the YAML file.")
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
+        "float32", description="Compute dtype of the target weights and KV cache.")
+
+
+class DraftSpec(_Strict):
+    path: str | None = Field(None, description="DSpark draft checkpoint directory (speculators layout). "
+                                               "None serves the target alone.")
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
+        "float32", description="Compute dtype of the draft head and its context cache.")
+
+
+class EngineSpec(_Strict):
+    speculate: bool = Field(True, description="Speculative decoding on; off gives plain decoding.")
+    block_size: int | None = Field(None, ge=1, description="Draft tokens per block (gamma); default: the "
+                                                           "draft checkpoint's block_size.")
+    verification: Literal["token", "block"] = Field(
+        "block", description="Rejection rule: token-wise speculative sampling or block verification.")
+    scheduler: Literal["confidence", "full"] = Field(
+        "confidence", description="'confidence': the hardware-aware prefix scheduler trims each block by "
+                                  "its confidence; 'full': verify every drafted token.")
+    max_num_seqs: int = Field(16, ge=1, description="Maximum sequences decoded together.")
+    kv_block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
+    kv_cache_tokens: int = Field(65536, ge=16, description="KV-cache budget in tokens (target and draft each).")
+    max_model_len: int = Field(4096, ge=2, description="Longest prompt + completion accepted, in tokens.")
+    draft_top_k: int = Field(64, ge=0, description="Draft tokens are sampled among the draft's top-k (0: "
+                                                   "full vocabulary); the exact probabilities go to the verifier.")
+    profile_max_tokens: int = Field(64, ge=1, description="Largest verify batch (tokens) profiled at start-up "
+                                                          "for the scheduler's cost table.")
+
+    def to_core(self, dtype: str) -> EngineConfig:
+        return EngineConfig(dtype=dtype, **self.model_dump())
+
+
+class EngineFileConfig(_Strict):
+    """A YAML file in configs/: which target, which draft, how to run them."""
+
+    name: str = Field("dspark", description="Model name reported by the APIs.")
+    target: TargetSpec = Field(description="The target model.")
+    draft: DraftSpec = Field(default_factory=DraftSpec, description="The DSpark draft head.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings.")
+    base_dir: str = Field("", exclude=True, description="Directory relative paths resolve against (set by "
+                                                        "the loader, not written in YAML).")
+
+    def resolve(self, path: str) -> Path:
+        expanded = Path(os.path.expandvars(os.path.expanduser(path)))
+        return expanded if expanded.is_absolute() else Path(self.base_dir or ".") / expanded
+
+
+class SamplingSpec(_Strict):
+    """Sampling parameters of one request."""
+
+    max_tokens: int = Field(128, ge=1, description="Maximum new tokens.")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 is greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass, in (0, 1].")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: off).")
+    seed: int | None = Field(None, ge=0, description="Seed of the request's own random generator.")
+    stop: list[str] = Field(default_factory=list, max_length=8, description="Stop strings.")
+
+    def to_core(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            seed=self.seed, stop=tuple(self.stop),
+        )
+
+
+def format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "(root)"
+        lines.append(f"{where}: {item['msg']}")
+    return "; ".join(lines)
+
+
+def load_engine_config(path: str | Path) -> EngineFileConfig:
+    """Read and validate a YAML engine config; errors name the offending field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config", f"no such file: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError("config", f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path} must hold a mapping")
+    try:
+        return EngineFileConfig(**data, base_dir=str(path.resolve().parent))
+    except ValidationError as exc:
+        raise ConfigError(str(path.name), format_validation_error(exc)) from None
+
+
+def sampling_from_values(**values) -> SamplingParams:
+    """Validate loose values (CLI flags, request fields) into SamplingParams."""
+    try:
+        return SamplingSpec(**{k: v for k, v in values.items() if v is not None}).to_core()
+    except ValidationError as exc:
+        item = exc.errors()[0]
+        raise ConfigError(".".join(str(p) for p in item["loc"]), item["msg"]) from None

@@ -1,0 +1,121 @@
+"""The target model: compact Llama / Mistral / Qwen2 / Qwen3 decoder over a paged KV cache.
+
+One ``forward`` serves prefill and verification: a padded batch of new tokens of several
+sequences in, logits at the requested positions and the fused-layer hidden states out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from dspark.config import ConfigError, DecoderConfig
+from dspark.kv_cache import AttentionMetadata, PagedKVCache
+from dspark.layers import DecoderLayer, RMSNorm
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [B, P, V] at the requested positions
+    features: torch.Tensor | None  # [B, Q, K * hidden] hidden states after the feature layers
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def make_cache(self, num_tokens: int, block_size: int) -> PagedKVCache:
+        cfg = self.config
+        return PagedKVCache(
+            cfg.num_layers, num_tokens, block_size, cfg.kv_cache_heads, cfg.qk_head_dim, cfg.value_head_dim,
+            self.dtype, self.embed_tokens.weight.device,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, Q] new tokens (padded)
+        positions: torch.Tensor,  # [B, Q] their absolute positions
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        logits_at: torch.Tensor | None = None,  # [B, P] indices into Q; None: every position
+        feature_layers: tuple[int, ...] = (),
+    ) -> TargetOutput:
+        x = self.embed_tokens(input_ids)
+        features = []
+        wanted = {layer: i for i, layer in enumerate(feature_layers)}
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.project_q(h, positions)
+            k, v = attn.project_kv(h, positions)
+            cache.write(index, meta.write_slots, k, v)
+            keys, values = cache.gather(index, meta.read_slots)
+            x = x + attn.attend(q, keys, values, meta.mask)
+            x = layer.feed_forward(x)
+            if index in wanted:
+                features.append(x)
+        if logits_at is not None:
+            x = torch.gather(x, 1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
+        logits = self.lm_head(self.norm(x)).float()
+        fused = torch.cat([features[wanted[i]] for i in feature_layers], dim=-1) if feature_layers else None
+        return TargetOutput(logits=logits, features=fused)
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors checkpoint directory."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError("model_path", f"no *.safetensors files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+def load_target(path: str | Path, dtype: str = "float32") -> TargetModel:
+    """Load a Hugging Face checkpoint directory (config.json + safetensors) as a TargetModel."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError("model_path", f"{path} has no config.json")
+    hf = json.loads(config_file.read_text())
+    if hf.get("n_routed_experts"):
+        raise ConfigError("model_type", "mixture-of-experts targets are not supported by this target code")
+    cfg = DecoderConfig.from_hf(hf)
+    model = TargetModel(cfg)
+    state = {k.removeprefix("model."): v for k, v in read_state_dict(path).items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = dict(model.state_dict())
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(k for k in set(state) - set(expected) if "rotary_emb" not in k)
+    if missing:
+        raise ConfigError("checkpoint", f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if unexpected:
+        raise ConfigError("checkpoint", f"unexpected tensors {unexpected[:5]}")
+    for name, tensor in expected.items():
+        if state[name].shape != tensor.shape:
+            raise ConfigError(name, f"shape {tuple(state[name].shape)} != expected {tuple(tensor.shape)}")
+    model.load_state_dict(state, strict=False)
+    return model.to(DTYPES[dtype]).eval()

@@ -1,0 +1,75 @@
+"""Shared fixtures: small real checkpoints made with transformers, prompts from ../shared."""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.checkpoint import save_draft
+from dspark.config import EngineConfig
+from dspark.draft_model import DSparkDraft
+from dspark.drafter import DSparkDrafter
+from dspark.engine import Engine
+from dspark.loader import load_tokenizer
+from dspark.scheduler import StepCostProfile
+from dspark.target_model import load_target
+from dspark.testing import make_tiny_target, tiny_draft_config
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("DSPARK_SHARED", REPO.parent / "shared"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def benchmark_prompts(name: str, limit: int) -> list[str]:
+    path = SHARED / "benchmarks" / f"{name}.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} not available")
+    with path.open() as f:
+        return [json.loads(line)["turns"][0] for _, line in zip(range(limit), f)]
+
+
+def stdlib_texts(limit: int = 40) -> list[str]:
+    """Tokenizer training text that overlaps no benchmark: the Python standard library's sources."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(lib.glob("*.py"))[:limit]
+    return [f.read_text(errors="ignore")[:20000] for f in files]
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    """A random 4-layer Llama in float64 (exact comparisons) with a trained BPE tokenizer."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    return make_tiny_target(path, stdlib_texts(), vocab_size=512, dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_target_dir):
+    return load_target(tiny_target_dir, "float64")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_target_dir):
+    return load_tokenizer(tiny_target_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory, tiny_target) -> Path:
+    torch.manual_seed(1)
+    draft = DSparkDraft(tiny_draft_config(tiny_target.config, block_size=4))
+    path = tmp_path_factory.mktemp("tiny-draft")
+    save_draft(draft, path)
+    return path
+
+
+FLAT_PROFILE = StepCostProfile((1, 64), (0.01, 0.0101), 0.0)  # verification nearly free: keep long prefixes
+
+
+def make_engine(target, tokenizer, drafter=None, profile=FLAT_PROFILE, **overrides) -> Engine:
+    cfg = EngineConfig(**{"max_num_seqs": 8, "kv_cache_tokens": 8192, "dtype": "float64", **overrides})
+    layers = drafter.model.config.target_layer_ids if isinstance(drafter, DSparkDrafter) else ()
+    return Engine(target, tokenizer, drafter, cfg, feature_layers=layers, profile=profile)
