@@ -10,7 +10,7 @@ from dspark.config import ConfigError
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from dspark.loader import build_engine
+    from dspark.loader import build_engine, encode_prompt
     from dspark.schema import load_engine_config, sampling_from_values
 
     cfg = load_engine_config(args.config)
@@ -18,29 +18,32 @@ def _generate(args: argparse.Namespace) -> int:
                                   top_k=args.top_k, seed=args.seed, stop=args.stop or None)
     engine = build_engine(cfg, speculate=False if args.no_spec else None, threads=args.threads)
     tok = engine.tokenizer
-    if args.chat:
-        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                             add_generation_prompt=True, tokenize=True)
-        if isinstance(prompt_ids, dict):
-            prompt_ids = prompt_ids["input_ids"]
-    else:
-        prompt_ids = tok.encode(args.prompt)
-    rid = engine.add_request(list(prompt_ids), params)
-    streamed = []
+    prompt_ids = encode_prompt(tok, args.prompt, args.chat)
+    rid = engine.add_request(prompt_ids, params)
+    streamed, printed = [], ""
     for out in engine.stream():
         if not args.json and out.request_id == rid:
             streamed.extend(out.new_token_ids)
             # print the text as it grows (decode the whole output to keep multi-byte characters intact)
             text = tok.decode(streamed, skip_special_tokens=True)
-            sys.stdout.write(text[len(getattr(_generate, "_printed", "")):])
+            sys.stdout.write(text[len(printed):])
             sys.stdout.flush()
-            _generate._printed = text
+            printed = text
     result = engine.result(rid)
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_tokens": len(prompt_ids),
                           "finish_reason": result.finish_reason, "metrics": result.metrics.to_dict()}))
     else:
         print()
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from dspark.prepare import prepare_target, sanity_check
+
+    out = prepare_target(args.out, force=args.force)
+    print(f"target ready: {out}")
+    print(f"sanity check: 'The capital of France is' -> {sanity_check(out)!r}")
     return 0
 
 
@@ -61,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and metrics")
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     gen.set_defaults(func=_generate)
+    prep = sub.add_parser("prepare", help="convert the embedded default target (SmolLM2-135M-Instruct) once")
+    prep.add_argument("--out", default=None, help="checkpoint directory (default ~/.cache/dspark/...)")
+    prep.add_argument("--force", action="store_true", help="convert again even if already prepared")
+    prep.set_defaults(func=_prepare)
     return parser
 
 

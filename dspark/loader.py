@@ -50,3 +50,14 @@ def build_engine(cfg: EngineFileConfig, speculate: bool | None = None, threads: 
     drafter = build_drafter(cfg, target, engine_cfg)
     layers = drafter.model.config.target_layer_ids if drafter else ()
     return Engine(target, tokenizer, drafter, engine_cfg, feature_layers=layers)
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """Token ids of a prompt, optionally as one user turn in the target's chat template."""
+    if chat:
+        if not tokenizer.chat_template:
+            raise ConfigError("chat", "the target's tokenizer has no chat template")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text))

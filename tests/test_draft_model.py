@@ -1,0 +1,166 @@
+"""The DSpark head: both seed variants, the sequential stage, checkpoint IO and its refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark.checkpoint import draft_config_from_json, load_draft, save_draft
+from dspark.config import ConfigError, DecoderConfig
+from dspark.draft_model import DSparkDraft
+from dspark.sampling import SamplingTensors, logits_to_probs
+
+REPO = Path(__file__).resolve().parents[1]
+SEEDS = {"release": "kimi-k3.1-pro-dspark.json", "preview": "kimi-k3.1-pro-dspark-preview.json"}
+
+
+def seed_config(variant: str):
+    return draft_config_from_json(json.loads((REPO / "configs" / "drafts" / SEEDS[variant]).read_text()))
+
+
+def shrink(cfg):
+    """The same architecture at tiny size (every knob that matters kept: attention kind, YaRN, ...)."""
+    bb = cfg.backbone
+    small = replace(bb, hidden_size=64, intermediate_size=96, num_layers=2, vocab_size=128,
+                    num_heads=8, num_kv_heads=2 if bb.attention == "gqa" else 8, head_dim=16,
+                    q_lora_rank=32 if bb.q_lora_rank else None, kv_lora_rank=16 if bb.kv_lora_rank else 0,
+                    qk_nope_head_dim=8 if bb.qk_nope_head_dim else 0,
+                    qk_rope_head_dim=8 if bb.qk_rope_head_dim else 0, v_head_dim=8 if bb.v_head_dim else 0)
+    return replace(cfg, backbone=small, target_hidden_size=64, mask_token_id=127, markov_rank=cfg.markov_rank // 32,
+                   target_layer_ids=(0, 1, 3))
+
+
+def test_seed_configs_at_full_size():
+    release, preview = seed_config("release"), seed_config("preview")
+    for cfg in (release, preview):
+        assert cfg.target_layer_ids == (7, 23, 67, 83, 91)
+        assert cfg.block_size == 7 and cfg.target_hidden_size == 7168 and cfg.backbone.num_layers == 5
+    assert (release.backbone.attention, release.backbone.num_heads, release.backbone.num_kv_heads) == ("gqa", 64, 16)
+    assert release.markov_rank == 256
+    assert preview.backbone.attention == "mla" and preview.markov_rank == 512
+    assert (preview.backbone.q_lora_rank, preview.backbone.kv_lora_rank) == (1536, 512)
+    assert preview.backbone.rope.scaling_type == "yarn" and preview.backbone.rope.factor == 32
+
+
+def _bound(cfg, seed=0):
+    torch.manual_seed(seed)
+    draft = DSparkDraft(cfg)
+    embed = torch.nn.Embedding(cfg.backbone.vocab_size, cfg.backbone.hidden_size)
+    head = torch.nn.Linear(cfg.backbone.hidden_size, cfg.backbone.vocab_size, bias=False)
+    with torch.no_grad():
+        draft.markov_head.markov_w2.weight.normal_(0, 1.0)
+    return draft.bind_target(embed, head)
+
+
+def _hidden(draft, batch=3):
+    cfg = draft.config
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randn(batch, 10, cfg.num_feature_layers * cfg.target_hidden_size, generator=gen)
+    block = torch.full((batch, cfg.block_size), cfg.mask_token_id)
+    block[:, 0] = torch.tensor([5, 9, 11][:batch])
+    with torch.no_grad():
+        return draft.backbone(block, 10 + torch.arange(cfg.block_size)[None].expand(batch, -1), draft.fuse(ctx),
+                              torch.arange(10)[None].expand(batch, -1), None, None), block[:, 0]
+
+
+@pytest.mark.parametrize("variant", ["release", "preview"])
+def test_tiny_variant_runs_and_roundtrips(tmp_path, variant):
+    cfg = shrink(seed_config(variant))
+    draft = _bound(cfg)
+    hidden, anchors = _hidden(draft)
+    assert hidden.shape == (3, 7, 64) and torch.isfinite(hidden).all()
+    save_draft(draft, tmp_path)
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "markov_head.markov_w1.weight",
+            "markov_head.markov_w2.weight", "confidence_head.proj.weight", "confidence_head.proj.bias"} <= names
+    assert not any(n.startswith(("embed_tokens", "lm_head")) for n in names)
+    assert any(n.startswith("layers.1.self_attn.") for n in names)
+    again = load_draft(tmp_path).bind_target(draft.embed_tokens, draft.lm_head)
+    hidden2, _ = _hidden(again)
+    assert torch.equal(hidden, hidden2)
+
+
+def test_draft_probs_are_exactly_what_was_sampled_from():
+    cfg = shrink(seed_config("release"))
+    draft = _bound(cfg)
+    hidden, anchors = _hidden(draft)
+    temperature, top_p = 0.7, 0.8
+    sampling = SamplingTensors(torch.full((3,), temperature), torch.full((3,), top_p), torch.zeros(3, dtype=torch.long),
+                               [torch.Generator().manual_seed(i) for i in range(3)])
+    proposal = draft.propose(hidden, anchors, sampling, prefilter_k=0)
+    torch.set_grad_enabled(False)
+    base = draft.lm_head(hidden)
+    prev = anchors
+    for k in range(cfg.block_size):
+        # an independent re-implementation: Markov bias, temperature, nucleus
+        logits = (base[:, k] + draft.markov_head.markov_w2(draft.markov_head.markov_w1(prev))) / temperature
+        probs = torch.softmax(logits, -1)
+        sorted_p, order = probs.sort(-1, descending=True)
+        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        expected = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+        expected = expected / expected.sum(-1, keepdim=True)
+        assert torch.allclose(proposal.draft_probs[:, k], expected, atol=1e-6)
+        assert (proposal.draft_probs[:, k].gather(1, proposal.tokens[:, k:k + 1]) > 0).all()
+        prev = proposal.tokens[:, k]
+    assert ((proposal.confidences > 0) & (proposal.confidences < 1)).all()
+    torch.set_grad_enabled(True)
+
+
+def test_markov_head_conditions_on_the_previous_token_and_sampling_matches_probs():
+    cfg = shrink(seed_config("release"))
+    draft = _bound(cfg)
+    hidden, anchors = _hidden(draft, batch=1)
+    n = 4000
+    sampling = SamplingTensors(torch.ones(n), torch.ones(n), torch.zeros(n, dtype=torch.long),
+                               [torch.Generator().manual_seed(i) for i in range(n)])
+    proposal = draft.propose(hidden.expand(n, -1, -1), anchors.expand(n), sampling, prefilter_k=16)
+    first = proposal.tokens[:, 0]
+    freq = torch.bincount(first, minlength=cfg.backbone.vocab_size).float() / n
+    assert (freq - proposal.draft_probs[0, 0]).abs().max() < 0.03
+    assert (proposal.draft_probs[:, 0] > 0).sum(-1).max() <= 16  # the prefilter bounds the support
+    # position 2's distribution differs by the token sampled at position 1 (the Markov dependency)
+    a, b = first[0], next(t for t in first if t != first[0])
+    pa = proposal.draft_probs[first == a][0, 1]
+    pb = proposal.draft_probs[first == b][0, 1]
+    assert (pa - pb).abs().sum() > 1e-3
+
+
+def _broken_copy(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    edit(state, config)
+    save_file(state, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_malformed_checkpoints_are_refused_by_name(tmp_path):
+    cfg = shrink(seed_config("release"))
+    save_draft(DSparkDraft(cfg), tmp_path / "ok")
+    target = DecoderConfig(hidden_size=64, intermediate_size=96, num_layers=4, num_heads=8, num_kv_heads=2,
+                           head_dim=8, vocab_size=128)
+    load_draft(tmp_path / "ok", target)  # the good one loads
+
+    cases = {
+        "fc.weight": lambda s, c: s.__setitem__("fc.weight", torch.zeros(3, 3)),
+        "markov_head.markov_w2.weight": lambda s, c: s.pop("markov_head.markov_w2.weight"),
+        "stray.weight": lambda s, c: s.__setitem__("stray.weight", torch.zeros(1)),
+        "speculators_model_type": lambda s, c: c.__setitem__("speculators_model_type", "eagle3"),
+        "mask_token_id": lambda s, c: c.pop("mask_token_id"),
+    }
+    for i, (name, edit) in enumerate(cases.items()):
+        with pytest.raises(ConfigError, match=name.replace(".", r"\.")):
+            load_draft(_broken_copy(tmp_path / "ok", tmp_path / f"bad{i}", edit), target)
+    with pytest.raises(ConfigError, match="draft_vocab_size"):
+        load_draft(tmp_path / "ok", replace(target, vocab_size=256))
+    with pytest.raises(ConfigError, match="target_hidden_size"):
+        load_draft(tmp_path / "ok", replace(target, hidden_size=128, head_dim=16))
+    with pytest.raises(ConfigError, match="aux_hidden_state_layer_ids"):
+        load_draft(tmp_path / "ok", replace(target, num_layers=2))

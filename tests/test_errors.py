@@ -1,0 +1,131 @@
+"""Bad configs and bad requests get a clear error that names the field, never a stack trace."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark.config import ConfigError, SamplingParams
+from dspark.schema import load_engine_config, sampling_from_values
+
+from conftest import make_engine
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_k": -1}, "top_k"),
+    ({"nucleus": 0.9}, "nucleus"),
+])
+def test_bad_sampling_values_name_the_field(values, field):
+    with pytest.raises(ConfigError) as info:
+        sampling_from_values(**values)
+    assert info.value.field == field
+
+
+def test_core_dataclass_refuses_bad_values_too():
+    with pytest.raises(ConfigError, match="top_p"):
+        SamplingParams(top_p=0)
+
+
+def write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "engine.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_and_bad_config_keys(tmp_path):
+    with pytest.raises(ConfigError, match=r"engine\.max_num_seqz"):
+        load_engine_config(write_config(tmp_path, "target: {path: x}\nengine: {max_num_seqz: 4}\n"))
+    with pytest.raises(ConfigError, match=r"engine\.verification"):
+        load_engine_config(write_config(tmp_path, "target: {path: x}\nengine: {verification: greedy}\n"))
+    with pytest.raises(ConfigError, match=r"target"):
+        load_engine_config(write_config(tmp_path, "engine: {}\n"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_engine_config(write_config(tmp_path, "target: [\n"))
+
+
+def test_every_config_in_the_repo_validates():
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        load_engine_config(path)
+
+
+def test_prompt_longer_than_context_is_refused(tiny_target, tiny_tokenizer):
+    engine = make_engine(tiny_target, tiny_tokenizer, max_model_len=32)
+    with pytest.raises(ConfigError) as info:
+        engine.add_request(list(range(40)), SamplingParams(max_tokens=4))
+    assert info.value.field == "prompt"
+    with pytest.raises(ConfigError) as info:
+        engine.add_request(list(range(20)), SamplingParams(max_tokens=20))
+    assert info.value.field == "max_tokens"
+    with pytest.raises(ConfigError, match="prompt"):
+        engine.add_request([], SamplingParams(max_tokens=4))
+    with pytest.raises(ConfigError, match="prompt"):
+        engine.add_request([10**6], SamplingParams(max_tokens=4))
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory, tiny_target_dir, tiny_draft_dir) -> Path:
+    path = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
+    path.write_text(f"name: tiny\ntarget: {{path: {tiny_target_dir}, dtype: float64}}\n"
+                    f"draft: {{path: {tiny_draft_dir}, dtype: float64}}\n"
+                    "engine: {max_model_len: 256, kv_cache_tokens: 4096, profile_max_tokens: 8}\n")
+    return path
+
+
+def dspark_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "dspark.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_cli_generate_json_speculative_equals_no_spec(tiny_config):
+    common = ["generate", "--config", str(tiny_config), "--prompt", "def main():", "--max-tokens", "24",
+              "--temperature", "0", "--json"]
+    spec, plain = dspark_cli(*common), dspark_cli(*common, "--no-spec")
+    assert spec.returncode == 0, spec.stderr
+    a, b = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) > 0
+    assert a["metrics"]["num_drafts"] > 0 and b["metrics"]["num_drafts"] == 0
+    for key in ("acceptance_length", "acceptance_length_per_request", "accepted_per_pos", "verify_steps",
+                "completion_tokens", "num_draft_tokens", "num_accepted_tokens"):
+        assert key in a["metrics"]
+    assert isinstance(a["text"], str)
+
+
+def test_cli_chat_and_sampled_seeded_runs_repeat(tiny_config):
+    args = ["generate", "--config", str(tiny_config), "--prompt", "hello", "--chat", "--max-tokens", "16",
+            "--temperature", "1.0", "--top-p", "0.95", "--seed", "7", "--json"]
+    first, second = dspark_cli(*args), dspark_cli(*args)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
+
+
+@pytest.mark.parametrize(("flags", "field"), [
+    (["--max-tokens", "-1"], "max_tokens"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--max-tokens", "100000"], "max_tokens"),
+])
+def test_cli_reports_bad_flags_by_name(tiny_config, flags, field):
+    out = dspark_cli("generate", "--config", str(tiny_config), "--prompt", "x", *flags)
+    assert out.returncode == 2
+    assert field in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cli_reports_bad_config_by_name(tmp_path):
+    bad = write_config(tmp_path, "target: {path: /nowhere}\nengine: {kv_cache_tokenz: 3}\n")
+    out = dspark_cli("generate", "--config", str(bad), "--prompt", "x")
+    assert out.returncode == 2 and "kv_cache_tokenz" in out.stderr and "Traceback" not in out.stderr
+    missing = write_config(tmp_path, "target: {path: /nowhere}\n")
+    out = dspark_cli("generate", "--config", str(missing), "--prompt", "x")
+    assert out.returncode == 2 and "target.path" in out.stderr
