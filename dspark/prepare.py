@@ -89,7 +89,8 @@ def sanity_check(out_dir: Path) -> str:
 
     target, tok = load_target(out_dir), load_tokenizer(out_dir)
     engine = Engine(target, tok, None, EngineConfig(speculate=False, kv_cache_tokens=512, max_num_seqs=1))
-    text = engine.generate([tok.encode("The capital of France is")], SamplingParams(max_tokens=8, temperature=0))[0].text
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    text = engine.generate([tok.encode("The capital of France is")], greedy)[0].text
     if "Paris" not in text:
         raise RuntimeError(f"converted model answered {text!r} to 'The capital of France is'")
     return text

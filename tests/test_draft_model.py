@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from dspark.checkpoint import draft_config_from_json, load_draft, save_draft
 from dspark.config import ConfigError, DecoderConfig
 from dspark.draft_model import DSparkDraft
-from dspark.sampling import SamplingTensors, logits_to_probs
+from dspark.sampling import SamplingTensors
 
 REPO = Path(__file__).resolve().parents[1]
 SEEDS = {"release": "kimi-k3.1-pro-dspark.json", "preview": "kimi-k3.1-pro-dspark-preview.json"}

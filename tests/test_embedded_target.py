@@ -1,0 +1,57 @@
+"""The real embedded target (SmolLM2-135M-Instruct from its PyPI GGUF), through our own code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.config import EngineConfig, SamplingParams
+from dspark.draft_model import DSparkDraft
+from dspark.drafter import DSparkDrafter
+from dspark.engine import Engine
+from dspark.loader import encode_prompt, load_tokenizer
+from dspark.prepare import prepare_target, sanity_check
+from dspark.target_model import load_target
+from dspark.testing import tiny_draft_config
+
+from conftest import benchmark_prompts
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = prepare_target()
+    return path, load_target(path), load_tokenizer(path)
+
+
+def test_converted_model_answers_sensibly(smollm2):
+    assert "Paris" in sanity_check(smollm2[0])
+
+
+def test_speculative_greedy_equals_plain_on_the_real_target(smollm2):
+    _, target, tok = smollm2
+    cfg = target.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
+    torch.manual_seed(0)
+    draft = DSparkDraft(tiny_draft_config(cfg, block_size=4, layer_ids=(1, 15, 27))).bind_target(
+        target.embed_tokens, target.lm_head)
+    prompts = [encode_prompt(tok, p, chat=True) for p in benchmark_prompts("gsm8k", 3)]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    engine_cfg = EngineConfig(kv_cache_tokens=4096, max_num_seqs=4, scheduler="full")
+    plain = Engine(target, tok, None, EngineConfig(speculate=False, kv_cache_tokens=4096)).generate(prompts, params)
+    spec = Engine(target, tok, DSparkDrafter(draft, 4096, 16, 64), engine_cfg, (1, 15, 27)).generate(prompts, params)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert all(r.text.strip() for r in plain)
+
+
+def test_profile_is_measured_at_start_up(smollm2):
+    _, target, tok = smollm2
+    draft = DSparkDraft(tiny_draft_config(target.config, block_size=4)).bind_target(target.embed_tokens,
+                                                                                   target.lm_head)
+    engine = Engine(target, tok, DSparkDrafter(draft, 2048, 16, 64),
+                    EngineConfig(kv_cache_tokens=2048, max_num_seqs=2, profile_max_tokens=8), (0, 15, 29))
+    profile = engine.profile
+    assert profile.token_counts == (1, 2, 4, 8)
+    assert all(b >= a > 0 for a, b in zip(profile.seconds, profile.seconds[1:]))
+    assert profile.draft_seconds > 0
