@@ -8,6 +8,7 @@ into one line per bad field, naming it.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -69,7 +70,13 @@ class EngineFileConfig(_Strict):
                                                         "the loader, not written in YAML).")
 
     def resolve(self, path: str) -> Path:
-        expanded = Path(os.path.expandvars(os.path.expanduser(path)))
+        """Expand ~ and $VARS ($DSPARK_CACHE defaults to ~/.cache/dspark); relative to the YAML file."""
+        from dspark.prepare import cache_dir
+
+        defaults = {"DSPARK_CACHE": str(cache_dir())}
+        path = re.sub(r"\$\{(\w+)\}|\$(\w+)",
+                      lambda m: os.environ.get(m[1] or m[2], defaults.get(m[1] or m[2], m[0])), path)
+        expanded = Path(os.path.expanduser(path))
         return expanded if expanded.is_absolute() else Path(self.base_dir or ".") / expanded
 
 
