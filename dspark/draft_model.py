@@ -109,8 +109,13 @@ class DSparkDraft(nn.Module):
         context_positions: torch.Tensor,  # [B, C]
         cache: PagedKVCache | None,  # the context keys/values of earlier rounds
         meta: AttentionMetadata | None,  # writes of the new context, reads of all context
+        context_valid: torch.Tensor | None = None,  # [B, C] bool, no-cache path: context visible to row b
     ) -> torch.Tensor:  # [B, G, hidden]
-        """One parallel pass over the block; new context keys/values are added to the cache."""
+        """One parallel pass over the block; new context keys/values are added to the cache.
+
+        Without a cache (training), ``context`` may have batch 1 and be shared by all B blocks,
+        each seeing only its own prefix through ``context_valid``.
+        """
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
         batch, block = block_ids.shape
         for index, layer in enumerate(self.layers):
@@ -120,7 +125,9 @@ class DSparkDraft(nn.Module):
             k_block, v_block = attn.project_kv(h, block_positions)
             if cache is None:  # training: the whole context is passed in every time
                 k_ctx, v_ctx = attn.project_kv(context, context_positions)
-                ctx_valid = torch.ones(batch, context.shape[1], dtype=torch.bool, device=x.device)
+                k_ctx, v_ctx = k_ctx.expand(batch, -1, -1, -1), v_ctx.expand(batch, -1, -1, -1)
+                ctx_valid = (context_valid if context_valid is not None
+                             else torch.ones(batch, context.shape[1], dtype=torch.bool, device=x.device))
             else:
                 if context.shape[1]:
                     k_new, v_new = attn.project_kv(context, context_positions)

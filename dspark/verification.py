@@ -67,14 +67,14 @@ def verify_tokenwise(
     uniforms: torch.Tensor,  # [B, G + 1]: G acceptance draws and one for the final token
 ) -> VerifyResult:
     """Speculative sampling: accept token i with min(1, target/draft); resample the residual."""
-    block = draft_tokens.shape[1]
+    batch, block = draft_tokens.shape
     p_target = _token_probs(target_probs, draft_tokens)
     p_draft = _token_probs(draft_probs, draft_tokens)
     in_range = torch.arange(block)[None, :] < num_draft[:, None]
     accepted = (uniforms[:, :block] * p_draft < p_target) & in_range
     num_accepted = _first_false(accepted)
     target_at = target_probs.gather(1, num_accepted[:, None, None].expand(-1, 1, target_probs.shape[-1]))[:, 0]
-    draft_padded = torch.cat((draft_probs, torch.zeros_like(draft_probs[:, :1])), dim=1)
+    draft_padded = torch.cat((draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])), dim=1)
     draft_at = draft_padded.gather(1, num_accepted[:, None, None].expand(-1, 1, draft_probs.shape[-1]))[:, 0]
     rejected = (num_accepted < num_draft)[:, None]
     residual = (target_at - draft_at).clamp_min(0)
@@ -103,7 +103,8 @@ def verify_block(
     for i in range(block):
         p.append(torch.minimum(torch.ones(batch), p[-1] * ratio[:, i]))
     p_all = torch.stack(p, dim=1)  # [B, G + 1]
-    draft_padded = torch.cat((draft_probs, torch.zeros_like(draft_probs[:, :1])), dim=1)  # [B, G + 1, V]
+    # [B, G + 1, V]
+    draft_padded = torch.cat((draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])), dim=1)
     residual_mass = (p_all[:, :, None] * target_probs - draft_padded).clamp_min(0).sum(-1)  # [B, G + 1]
     denom = residual_mass + 1 - p_all
     h = torch.where(denom > 0, residual_mass / denom.clamp_min(1e-30), torch.zeros_like(denom))

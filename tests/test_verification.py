@@ -60,6 +60,16 @@ def test_empty_draft_samples_from_target(method):
     assert res.tokens.tolist() == [[3, -1, -1]]
 
 
+@pytest.mark.parametrize("method", [verify_tokenwise, verify_block])
+def test_zero_width_block_is_plain_sampling(method):
+    """No drafter at all (G = 0): the verifier samples the next token from the target."""
+    target_probs = dist([0, 0, 1.0, 0], [0, 1.0, 0, 0])[:, None, :]  # [2, 1, V]
+    u = torch.full((2, 2 if method is verify_block else 1), 0.5)
+    res = method(torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, dtype=torch.long), torch.zeros(2, 0, V),
+                 target_probs, u)
+    assert res.tokens.tolist() == [[2], [1]] and res.num_accepted.tolist() == [0, 0]
+
+
 def test_block_verification_recovers_a_token_tokenwise_rejects():
     # Sun et al.'s motivating case: token-wise rejects x1, block verification may still keep it
     draft_probs = dist([0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0])[None]

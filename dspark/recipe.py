@@ -1,0 +1,122 @@
+"""``dspark train``: the whole recipe, stage by stage, each resumable.
+
+data (prompts -> target-regenerated responses) -> target cache -> training -> STS calibration
+-> export (speculators checkpoint + training summary). Everything but the exported draft lives
+in ``work_dir`` outside git.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from dspark.checkpoint import save_draft
+from dspark.config import DecoderConfig, DraftConfig, EngineConfig
+from dspark.dataset import build_prompts, decontaminate, generate_responses
+from dspark.draft_model import DSparkDraft
+from dspark.engine import Engine
+from dspark.loader import load_tokenizer
+from dspark.target_cache import build_target_cache, load_target_cache
+from dspark.target_model import load_target
+from dspark.trainer import TrainConfig, calibrate, heldout_statistics, init_from_target, train, write_summary
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataSpec(_Strict):
+    num_prompts: int = Field(6000, ge=1, description="Prompts built from the local sources.")
+    max_tokens: int = Field(256, ge=1, description="Response length cap when regenerating.")
+    batch: int = Field(48, ge=1, description="Sequences generated together.")
+    time_budget_s: float | None = Field(None, description="Stop generating after this long (resumable).")
+    benchmarks_dir: str = Field("../shared/benchmarks", description="Prompts sharing a 13-word span with "
+                                                                    "these are dropped.")
+
+
+class DraftArchSpec(_Strict):
+    num_layers: int = Field(2, ge=1, description="Draft decoder layers (initialised from the target's last).")
+    target_layer_ids: list[int] = Field(description="Target layers whose outputs are fused.")
+    block_size: int = Field(7, ge=1, description="Drafted tokens per block (gamma).")
+    markov_rank: int = Field(64, ge=1, description="Rank of the Markov head.")
+    enable_markov_head: bool = Field(True, description="False trains the no-Markov (DFlash-style) ablation.")
+    mask_token_id: int = Field(description="Token id used for the mask positions of the block.")
+
+
+class TrainSpec(_Strict):
+    steps: int = Field(2000, ge=1, description="Optimizer steps.")
+    seqs_per_step: int = Field(4, ge=1, description="Sequences per step.")
+    anchors_per_seq: int = Field(16, ge=1, description="Random anchors per sequence.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (warm-up then cosine).")
+    time_budget_s: float | None = Field(None, description="Stop training after this long (resumable).")
+
+
+class TrainFileConfig(_Strict):
+    target_path: str = Field(description="Target checkpoint directory ($VARS and ~ expanded).")
+    work_dir: str = Field(description="Caches and training state (outside git).")
+    output_dir: str = Field(description="Where the trained draft is exported (speculators layout).")
+    export_dtype: str = Field("bfloat16", description="dtype of the exported weights.")
+    data: DataSpec = Field(default_factory=DataSpec, description="Training data.")
+    draft: DraftArchSpec = Field(description="Draft architecture.")
+    train: TrainSpec = Field(default_factory=TrainSpec, description="Optimisation.")
+
+
+def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data", "cache", "train", "export"),
+               log=print) -> dict:
+    target_dir, work = resolve(cfg.target_path), resolve(cfg.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
+    responses = work / "responses.jsonl"
+    if "data" in stages:
+        prompts = decontaminate(build_prompts(cfg.data.num_prompts), resolve(cfg.data.benchmarks_dir))
+        log(f"[data] {len(prompts)} prompts after decontamination")
+        engine = Engine(target, tokenizer, None, EngineConfig(
+            speculate=False, max_num_seqs=cfg.data.batch, kv_cache_tokens=cfg.data.batch * 1400, max_model_len=2048))
+        generate_responses(engine, tokenizer, prompts, responses, cfg.data.max_tokens, cfg.data.batch,
+                           time_budget_s=cfg.data.time_budget_s)
+    arch = cfg.draft
+    cache_dir = work / f"target_cache_{'_'.join(map(str, arch.target_layer_ids))}"
+    if "cache" in stages:
+        rows = [json.loads(line) for line in responses.open()]
+        log(f"[cache] {len(rows)} sequences, {sum(len(r['response_ids']) for r in rows)} response tokens")
+        build_target_cache(target, rows, tuple(arch.target_layer_ids), cache_dir)
+    summary: dict = {}
+    if "train" in stages or "export" in stages:
+        tc = target.config
+        backbone = DecoderConfig(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+                                 num_layers=arch.num_layers, num_heads=tc.num_heads, num_kv_heads=tc.num_kv_heads,
+                                 head_dim=tc.head_dim, vocab_size=tc.vocab_size, rms_norm_eps=tc.rms_norm_eps,
+                                 rope=tc.rope, attention_bias=tc.attention_bias, qk_norm=tc.qk_norm,
+                                 max_position_embeddings=tc.max_position_embeddings, model_type=tc.model_type)
+        draft_cfg = DraftConfig(backbone=backbone, target_hidden_size=tc.hidden_size,
+                                target_layer_ids=tuple(arch.target_layer_ids), block_size=arch.block_size,
+                                mask_token_id=arch.mask_token_id, markov_rank=arch.markov_rank,
+                                enable_markov_head=arch.enable_markov_head,
+                                verifier_name_or_path=str(cfg.target_path),
+                                verifier_architectures=("LlamaForCausalLM",))
+        torch.manual_seed(0)
+        draft = DSparkDraft(draft_cfg)
+        init_from_target(draft, target)
+        draft.bind_target(target.embed_tokens, target.lm_head)
+        cache = load_target_cache(cache_dir)
+        log(f"[train] cache: {len(cache)} sequences, {len(cache.tokens)} tokens")
+        tcfg = TrainConfig(steps=cfg.train.steps, seqs_per_step=cfg.train.seqs_per_step,
+                           anchors_per_seq=cfg.train.anchors_per_seq, lr=cfg.train.lr,
+                           time_budget_s=cfg.train.time_budget_s)
+        if "train" in stages:
+            init_stats = heldout_statistics(draft, target, cache, tcfg)
+            survival = (init_stats["acceptance"] * init_stats["valid"]).cumprod(1)
+            summary["init"] = {"heldout_expected_length": float((1 + survival.sum(1)).mean())}
+        summary["train"] = train(draft, target, cache, tcfg, work / ("train" if arch.enable_markov_head
+                                                                    else "train_no_markov"), log=log)
+        summary["data"] = {"sequences": len(cache), "tokens": len(cache.tokens),
+                           "response_tokens": sum(o2 - r for r, o2 in zip(cache.response_starts, cache.offsets[1:]))}
+        if "export" in stages:
+            summary["calibration"] = calibrate(draft, heldout_statistics(draft, target, cache, tcfg))
+            out = resolve(cfg.output_dir)
+            save_draft(draft, out, getattr(torch, cfg.export_dtype))
+            write_summary(out / "training_summary.json", summary, tcfg)
+            log(f"[export] {out}: {json.dumps(summary['calibration'])}")
+    return summary

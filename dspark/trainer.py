@@ -1,0 +1,190 @@
+"""Training a DSpark head on a target cache (paper 3.3, DeepSpec's recipe at CPU scale).
+
+Each step samples sequences, and in each sequence random anchors among the response tokens.
+Every anchor's block (anchor + gamma-1 masks) attends to the sequence's fused features
+strictly before the anchor (one shared context per sequence, per-anchor visibility mask).
+Position k predicts the token k after the anchor; the Markov head is teacher-forced with the
+data's previous token. The target's embedding and LM head are shared and frozen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from dspark.calibration import cumulative_ece, sequential_temperature_scaling
+from dspark.draft_model import DSparkDraft
+from dspark.losses import dspark_loss
+from dspark.target_cache import TargetCache
+from dspark.target_model import TargetModel
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2000
+    seqs_per_step: int = 4
+    anchors_per_seq: int = 16
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    checkpoint_every: int = 200
+    heldout_fraction: float = 0.05
+    seed: int = 0
+    time_budget_s: float | None = None
+
+
+def init_from_target(draft: DSparkDraft, target: TargetModel) -> None:
+    """Start the draft layers from the target's last layers (same shapes), a strong warm start."""
+    n = len(draft.layers)
+    for i, layer in enumerate(draft.layers):
+        layer.load_state_dict(target.layers[target.config.num_layers - n + i].state_dict())
+    draft.norm.load_state_dict(target.norm.state_dict())
+
+
+def _batch(cache: TargetCache, seq: int, anchors: int, block: int, rng: random.Random):
+    start, end = cache.offsets[seq], cache.offsets[seq + 1]
+    first = max(cache.response_starts[seq] - 1, start + 1)  # the anchor may be the last prompt token
+    last = end - 2  # at least one label after the anchor
+    if last < first:
+        return None
+    picks = sorted(rng.sample(range(first, last + 1), min(anchors, last - first + 1)))
+    anchor = torch.tensor(picks)  # absolute indices
+    label_index = anchor[:, None] + 1 + torch.arange(block)[None, :]  # [A, G]
+    valid = label_index < end
+    label_index = label_index.clamp(max=end - 1)
+    return start, end, anchor, label_index, valid
+
+
+def block_forward(draft: DSparkDraft, target: TargetModel, cache: TargetCache, seq: int, anchors: int,
+                  rng: random.Random):
+    """Draft logits, confidences, target distributions and labels for the anchors of one sequence."""
+    block = draft.config.block_size
+    picked = _batch(cache, seq, anchors, block, rng)
+    if picked is None:
+        return None
+    start, end, anchor, label_index, valid = picked
+    context = draft.fuse(cache.features[start:end].float())[None]  # [1, T, D]
+    ctx_pos = torch.arange(end - start)[None]
+    ctx_valid = torch.arange(end - start)[None, :] < (anchor - start)[:, None]  # strictly before the anchor
+    block_ids = torch.full((len(anchor), block), draft.config.mask_token_id)
+    block_ids[:, 0] = cache.tokens[anchor]
+    block_pos = (anchor - start)[:, None] + torch.arange(block)[None, :]
+    hidden = draft.backbone(block_ids, block_pos, context, ctx_pos, None, None, context_valid=ctx_valid)
+    base = draft.base_logits(hidden)
+    prev = torch.cat((cache.tokens[anchor][:, None], cache.tokens[label_index[:, :-1]]), dim=1)
+    logits, conf_logits = draft.position_logits(base, hidden, prev, slice(None))
+    labels = cache.tokens[label_index]
+    with torch.no_grad():
+        # the target's next-token distribution at label position j comes from the hidden state at j - 1
+        target_logits = target.lm_head(cache.final_hidden[label_index - 1].to(target.lm_head.weight.dtype))
+        target_probs = torch.softmax(target_logits.float(), dim=-1)
+    return logits, conf_logits, target_probs, labels, valid
+
+
+def _save(draft: DSparkDraft, optimizer, step: int, path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+               path / "train_state.pt.tmp")
+    (path / "train_state.pt.tmp").rename(path / "train_state.pt")
+
+
+def train(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: TrainConfig, work_dir: Path,
+          log=print) -> dict:
+    """Train (resuming from ``work_dir`` if a checkpoint is there); returns a summary."""
+    from tqdm import tqdm
+
+    for p in target.parameters():
+        p.requires_grad_(False)
+    train_seqs, _ = cache.split(cfg.heldout_fraction, cfg.seed)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    step = 0
+    state_file = work_dir / "train_state.pt"
+    if state_file.is_file():
+        state = torch.load(state_file, weights_only=False)
+        draft.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+        log(f"[train] resumed at step {step}")
+    schedule = lambda s: min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(s / cfg.steps, 1)))  # noqa: E731
+    rng = random.Random(cfg.seed + step)
+    started, ema = time.time(), None
+    bar = tqdm(total=cfg.steps, initial=step, desc="train", mininterval=5.0, dynamic_ncols=True)
+    draft.train()
+    while step < cfg.steps:
+        if cfg.time_budget_s is not None and time.time() - started > cfg.time_budget_s:
+            log(f"[train] time budget reached at step {step}")
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr * schedule(step)
+        optimizer.zero_grad(set_to_none=True)
+        parts = [block_forward(draft, target, cache, s, cfg.anchors_per_seq, rng)
+                 for s in rng.sample(train_seqs, min(cfg.seqs_per_step, len(train_seqs)))]
+        parts = [p for p in parts if p is not None]
+        logits, conf, tprobs, labels, valid = (torch.cat(x) for x in zip(*parts))
+        terms = dspark_loss(logits, conf, tprobs, labels, valid)
+        terms.total.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        step += 1
+        metrics = {"loss": terms.total.item(), "acc1": terms.acceptance[0].item(), "tau": terms.expected_length.item()}
+        ema = metrics if ema is None else {k: 0.98 * ema[k] + 0.02 * v for k, v in metrics.items()}
+        bar.set_postfix(loss=f"{ema['loss']:.3f}", acc1=f"{ema['acc1']:.3f}", tau=f"{ema['tau']:.2f}")
+        bar.update(1)
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            _save(draft, optimizer, step, work_dir)
+            log(f"[train] step {step} loss {ema['loss']:.4f} acc1 {ema['acc1']:.3f} tau~{ema['tau']:.3f} "
+                f"({time.time() - started:.0f}s)")
+    bar.close()
+    _save(draft, optimizer, step, work_dir)
+    draft.eval()
+    return {"steps": step, "train_seconds": time.time() - started, **(ema or {})}
+
+
+@torch.no_grad()
+def heldout_statistics(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: TrainConfig,
+                       anchors: int = 32) -> dict[str, torch.Tensor]:
+    """Raw confidence logits and analytic per-position acceptances on the held-out sequences."""
+    _, heldout = cache.split(cfg.heldout_fraction, cfg.seed)
+    rng = random.Random(1234)
+    saved = draft.confidence_temperatures.clone()
+    draft.confidence_temperatures.fill_(1.0)
+    conf, accept, valid = [], [], []
+    for seq in heldout:
+        part = block_forward(draft, target, cache, seq, anchors, rng)
+        if part is None:
+            continue
+        logits, conf_logits, tprobs, _, ok = part
+        l1 = (torch.softmax(logits, -1) - tprobs).abs().sum(-1)
+        conf.append(conf_logits)
+        accept.append((1 - 0.5 * l1).clamp(0, 1))
+        valid.append(ok)
+    draft.confidence_temperatures.copy_(saved)
+    return {"conf_logits": torch.cat(conf), "acceptance": torch.cat(accept), "valid": torch.cat(valid)}
+
+
+def calibrate(draft: DSparkDraft, stats: dict[str, torch.Tensor]) -> dict:
+    """Sequential Temperature Scaling on held-out statistics; sets the draft's temperatures."""
+    conf, accept, valid = stats["conf_logits"], stats["acceptance"], stats["valid"]
+    ones = torch.ones(conf.shape[1], dtype=torch.float64)
+    before = cumulative_ece(conf.double(), accept, ones, valid)
+    temps = sequential_temperature_scaling(conf, accept, valid)
+    after = cumulative_ece(conf.double(), accept, torch.tensor(temps, dtype=torch.float64), valid)
+    draft.confidence_temperatures.copy_(torch.tensor(temps))
+    draft.config = replace(draft.config, confidence_temperatures=tuple(temps))
+    survival = (accept * valid).cumprod(1)
+    return {"temperatures": list(temps), "ece_before": before, "ece_after": after,
+            "heldout_acceptance_per_pos": (accept * valid).sum(0).div(valid.sum(0).clamp_min(1)).tolist(),
+            "heldout_expected_length": float((1 + survival.sum(1)).mean()),
+            "heldout_blocks": int(conf.shape[0])}
+
+
+def write_summary(path: Path, summary: dict, cfg: TrainConfig) -> None:
+    path.write_text(json.dumps({"train_config": asdict(cfg), **summary}, indent=2) + "\n")

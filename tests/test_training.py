@@ -1,0 +1,91 @@
+"""The training recipe end to end on a tiny real target: data, cache, training, calibration, export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dspark.calibration import cumulative_ece, expected_calibration_error, sequential_temperature_scaling
+from dspark.checkpoint import load_draft
+from dspark.config import EngineConfig, SamplingParams
+from dspark.dataset import build_prompts, decontaminate
+from dspark.drafter import DSparkDrafter
+from dspark.engine import Engine
+from dspark.loader import load_tokenizer
+from dspark.losses import dspark_loss, position_weights
+from dspark.recipe import TrainFileConfig, run_recipe
+from dspark.target_model import load_target
+from dspark.testing import make_tiny_target
+
+from conftest import SHARED, stdlib_texts
+
+
+def test_prompts_are_decontaminated_and_varied():
+    prompts = build_prompts(300, seed=3)
+    assert len(set(prompts)) > 250
+    planted = "Write a solution to the following problem and make sure that it passes the tests: " \
+              "```python from typing import List def has_close_elements(numbers: List[float], threshold: float)"
+    kept = decontaminate(prompts + [planted], SHARED / "benchmarks")
+    assert planted not in kept and len(kept) >= 290
+
+
+def test_loss_terms_behave():
+    g, v = 3, 5
+    target = torch.softmax(torch.randn(4, g, v), -1)
+    labels = target.argmax(-1)
+    valid = torch.ones(4, g, dtype=torch.bool)
+    perfect = dspark_loss(torch.log(target), torch.full((4, g), 8.0), target, labels, valid)
+    assert perfect.tv < 1e-5 and torch.allclose(perfect.acceptance, torch.ones(g))
+    assert abs(perfect.expected_length.item() - (1 + g)) < 1e-4
+    poor = dspark_loss(torch.zeros(4, g, v), torch.zeros(4, g), target, labels, valid)
+    assert poor.tv > perfect.tv and poor.total > perfect.total
+    w = position_weights(7)
+    assert w[0] == 1 and torch.all(w[1:] < w[:-1])
+
+
+def test_sts_fixes_an_overconfident_head():
+    gen = torch.Generator().manual_seed(0)
+    true_logit = torch.randn(4000, 4, generator=gen)
+    observed = torch.sigmoid(true_logit)
+    overconfident = true_logit * 3  # the head's logits are 3x too sharp
+    temps = sequential_temperature_scaling(overconfident, observed)
+    assert all(2.0 < t < 4.5 for t in temps)
+    before = cumulative_ece(overconfident.double(), observed, torch.ones(4, dtype=torch.float64))
+    after = cumulative_ece(overconfident.double(), observed, torch.tensor(temps, dtype=torch.float64))
+    assert all(a < b for a, b in zip(after, before))
+    assert expected_calibration_error(observed[:, 0], observed[:, 0]) < 1e-12
+
+
+def test_recipe_end_to_end(tmp_path):
+    target_dir = make_tiny_target(tmp_path / "target", stdlib_texts(20), vocab_size=400, num_layers=4)
+    cfg = TrainFileConfig(
+        target_path=str(target_dir), work_dir=str(tmp_path / "work"), output_dir=str(tmp_path / "draft"),
+        data={"num_prompts": 24, "max_tokens": 40, "batch": 24, "benchmarks_dir": str(SHARED / "benchmarks")},
+        draft={"num_layers": 1, "target_layer_ids": [0, 2, 3], "block_size": 4, "markov_rank": 16,
+               "mask_token_id": 3},
+        train={"steps": 150, "seqs_per_step": 4, "anchors_per_seq": 8, "lr": 3e-3},
+    )
+    logs = []
+    summary = run_recipe(cfg, resolve=Path, log=logs.append)
+    assert summary["data"]["response_tokens"] > 500
+    cal = summary["calibration"]
+    assert len(cal["temperatures"]) == 4
+    assert cal["ece_after"][0] <= cal["ece_before"][0] + 1e-12
+    card = json.loads((tmp_path / "draft" / "training_summary.json").read_text())
+    assert card["train"]["steps"] == 150
+    # training raised the held-out analytic acceptance above the warm start's
+    assert cal["heldout_expected_length"] > summary["init"]["heldout_expected_length"]
+    # the exported draft loads with its temperatures, resumes, and is lossless in the engine
+    target, tok = load_target(target_dir), load_tokenizer(target_dir)
+    trained = load_draft(tmp_path / "draft", target.config).bind_target(target.embed_tokens, target.lm_head)
+    assert trained.config.confidence_temperatures == tuple(cal["temperatures"])
+    resumed = run_recipe(cfg, resolve=Path, stages=("train",), log=logs.append)
+    assert resumed["train"]["steps"] == 150 and any("resumed at step 150" in line for line in logs)
+    prompts = [tok.encode(p) for p in build_prompts(6, seed=9)]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    spec = Engine(target, tok, DSparkDrafter(trained, 8192, 16, 64), EngineConfig(kv_cache_tokens=8192),
+                  trained.config.target_layer_ids).generate(prompts, greedy)
+    plain = Engine(target, tok, None, EngineConfig(speculate=False, kv_cache_tokens=8192)).generate(prompts, greedy)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
