@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from dspark.config import ConfigError
 
@@ -47,6 +48,58 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from dspark.recipe import TrainFileConfig, run_recipe
+    from dspark.schema import EngineFileConfig, format_validation_error, read_yaml
+
+    data = read_yaml(args.config)
+    try:
+        cfg = TrainFileConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(args.config, format_validation_error(exc)) from None
+    paths = EngineFileConfig(target={"path": "."}, base_dir=str(Path(args.config).resolve().parent))
+    overrides = {k: v for k, v in (("steps", args.steps), ("time_budget_s", args.time_budget)) if v is not None}
+    if overrides:
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update=overrides)})
+    if args.data_time_budget is not None:
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"time_budget_s": args.data_time_budget})})
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    run_recipe(cfg, paths.resolve, tuple(args.stages.split(",")))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from dspark.bench import markdown_table, plot_acceptance, run_bench
+    from dspark.schema import load_engine_config
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    cfg = load_engine_config(args.config)
+    if args.no_scheduler:
+        cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"scheduler": "full"})})
+    datasets = [Path(d) for d in args.dataset]
+    for d in datasets:
+        if not d.is_file():
+            raise ConfigError("dataset", f"no such file: {d}")
+    results = run_bench(cfg, datasets, args.limit, args.max_tokens, args.temperature, args.top_p, args.block_size,
+                        tuple(args.baseline_dtypes.split(",")))
+    table = markdown_table(results, results["block_size"])
+    results["markdown"] = table
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot:
+        plot_acceptance(results, Path(args.plot))
+    print(table)
+    print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +117,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and metrics")
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     gen.set_defaults(func=_generate)
+    tr = sub.add_parser("train", help="train a DSpark head: data, target cache, training, calibration, export")
+    tr.add_argument("--config", required=True, help="training YAML (e.g. configs/train-smollm2.yaml)")
+    tr.add_argument("--stages", default="data,cache,train,export", help="comma-separated subset of the stages")
+    tr.add_argument("--steps", type=int, default=None, help="override train.steps")
+    tr.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
+    tr.add_argument("--data-time-budget", type=float, default=None, help="stop data generation after this long")
+    tr.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    tr.set_defaults(func=_train)
+    b = sub.add_parser("bench", help="acceptance and speed vs plain decoding on prompt sets, in one run")
+    b.add_argument("--config", required=True)
+    b.add_argument("--dataset", required=True, action="append", help="a {\"turns\": [...]} JSONL (repeatable)")
+    b.add_argument("--limit", type=int, default=None, help="prompts per dataset")
+    b.add_argument("--max-tokens", type=int, default=256)
+    b.add_argument("--temperature", type=float, default=1.0)
+    b.add_argument("--top-p", type=float, default=0.95)
+    b.add_argument("--block-size", type=int, default=None)
+    b.add_argument("--baseline-dtypes", default="float32,bfloat16", help="plain-decoding dtypes; the faster counts")
+    b.add_argument("--no-scheduler", action="store_true", help="verify full blocks (scheduler: full)")
+    b.add_argument("--out", default="benchmark_results.json")
+    b.add_argument("--plot", default=None, help="PNG of per-position acceptance")
+    b.add_argument("--threads", type=int, default=None)
+    b.set_defaults(func=_bench)
     prep = sub.add_parser("prepare", help="convert the embedded default target (SmolLM2-135M-Instruct) once")
     prep.add_argument("--out", default=None, help="checkpoint directory (default ~/.cache/dspark/...)")
     prep.add_argument("--force", action="store_true", help="convert again even if already prepared")

@@ -9,6 +9,7 @@ is plain autoregressive decoding: the baseline of every comparison.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ class Engine:
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
         self.metrics = SpecMetrics()
+        self.timings = {"draft": 0.0, "schedule": 0.0, "verify": 0.0, "step": 0.0}  # seconds, cumulative
         self._ids = itertools.count()
         self.profile = profile
         if self.drafter is not None and config.scheduler == "confidence" and profile is None:
@@ -120,19 +122,28 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         prefill, decode = self._schedule()
         rounds = []
         if prefill:
             rounds.append(_Round(prefill, None, torch.zeros(len(prefill), dtype=torch.long)))
         if decode and self.drafter is not None:
+            t0 = time.perf_counter()
             proposal = self._draft(decode)
+            t1 = time.perf_counter()
             rounds.append(_Round(decode, proposal, self._schedule_verify(decode, proposal)))
+            self.timings["draft"] += t1 - t0
+            self.timings["schedule"] += time.perf_counter() - t1
         elif decode:
             rounds.append(_Round(decode, None, torch.zeros(len(decode), dtype=torch.long)))
         for round_ in rounds:
+            t0 = time.perf_counter()
             result, features = self._verify(round_)
+            self.timings["verify"] += time.perf_counter() - t0
             self._commit(round_, result, features)
-        return self._emit(prefill + decode)
+        outputs = self._emit(prefill + decode)
+        self.timings["step"] += time.perf_counter() - started
+        return outputs
 
     def _schedule(self) -> tuple[list[Request], list[Request]]:
         """Admit waiting requests while sequence slots and cache reservations allow."""

@@ -12,6 +12,7 @@ class SpecMetrics:
     num_drafted_tokens: int = 0  # draft tokens produced by the drafter (before the scheduler)
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    acceptance_histogram: list[int] = field(default_factory=list)  # drafted rounds by tokens accepted (0..G)
     verify_steps: int = 0  # request-rounds through the target (prefill included)
     completion_tokens: int = 0
     num_requests: int = 0  # finished requests folded into the per-request average
@@ -29,21 +30,23 @@ class SpecMetrics:
                 self.accepted_per_pos.extend([0] * (scheduled - len(self.accepted_per_pos)))
             for i in range(accepted):
                 self.accepted_per_pos[i] += 1
+            if len(self.acceptance_histogram) <= accepted:
+                self.acceptance_histogram.extend([0] * (accepted + 1 - len(self.acceptance_histogram)))
+            self.acceptance_histogram[accepted] += 1
 
     def record_finished(self, completion_tokens: int, verify_steps: int) -> None:
         self.num_requests += 1
         self.sum_request_acceptance += completion_tokens / max(verify_steps, 1)
 
     def merge(self, other: SpecMetrics) -> SpecMetrics:
-        out = SpecMetrics(**{k: v for k, v in asdict(self).items() if k != "accepted_per_pos"})
+        out = SpecMetrics()
         for name in (
             "num_drafts", "num_draft_tokens", "num_drafted_tokens", "num_accepted_tokens", "verify_steps",
             "completion_tokens", "num_requests", "sum_request_acceptance", "drafter_fallbacks",
         ):
             setattr(out, name, getattr(self, name) + getattr(other, name))
-        size = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
-        pad = lambda v: v + [0] * (size - len(v))  # noqa: E731
-        out.accepted_per_pos = [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))]
+        out.accepted_per_pos = _add_lists(self.accepted_per_pos, other.accepted_per_pos)
+        out.acceptance_histogram = _add_lists(self.acceptance_histogram, other.acceptance_histogram)
         return out
 
     @property
@@ -70,3 +73,8 @@ class SpecMetrics:
             acceptance_rate_per_pos=self.acceptance_rate_per_pos,
         )
         return out
+
+
+def _add_lists(a: list[int], b: list[int]) -> list[int]:
+    size = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (size - len(a)), b + [0] * (size - len(b)))]

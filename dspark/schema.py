@@ -105,8 +105,7 @@ def format_validation_error(error: ValidationError) -> str:
     return "; ".join(lines)
 
 
-def load_engine_config(path: str | Path) -> EngineFileConfig:
-    """Read and validate a YAML engine config; errors name the offending field."""
+def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError("config", f"no such file: {path}")
@@ -116,6 +115,13 @@ def load_engine_config(path: str | Path) -> EngineFileConfig:
         raise ConfigError("config", f"{path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping")
+    return data
+
+
+def load_engine_config(path: str | Path) -> EngineFileConfig:
+    """Read and validate a YAML engine config; errors name the offending field."""
+    path = Path(path)
+    data = read_yaml(path)
     try:
         return EngineFileConfig(**data, base_dir=str(path.resolve().parent))
     except ValidationError as exc:

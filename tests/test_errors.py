@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from dspark.config import ConfigError, SamplingParams
-from dspark.schema import load_engine_config, sampling_from_values
+from dspark.recipe import TrainFileConfig
+from dspark.schema import load_engine_config, read_yaml, sampling_from_values
 
 from conftest import make_engine
 
@@ -57,7 +58,10 @@ def test_every_config_in_the_repo_validates():
     configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
     assert configs
     for path in configs:
-        load_engine_config(path)
+        if path.name.startswith("train-"):
+            TrainFileConfig(**read_yaml(path))
+        else:
+            load_engine_config(path)
 
 
 def test_prompt_longer_than_context_is_refused(tiny_target, tiny_tokenizer):
