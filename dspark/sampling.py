@@ -56,15 +56,45 @@ def _truncate_sorted(
     sorted_logits: torch.Tensor,  # [N, K] descending, already divided by temperature
     top_p: torch.Tensor,  # [N]
     top_k: torch.Tensor,  # [N]
+    full_lse: torch.Tensor | None = None,  # [N] logsumexp over the whole vocabulary when K < V
 ) -> torch.Tensor:  # [N, K] probabilities over the sorted candidates
+    """top-k, then top-p on the top-k-renormalised distribution (vLLM's order).
+
+    Without ``full_lse`` the candidates are the whole support (a draft prefilter renormalises over
+    them); with it, rows without top-k are normalised over the full vocabulary, so a top-p cut
+    that falls inside the candidates is exactly the full-vocabulary cut.
+    """
     rank = torch.arange(sorted_logits.shape[-1])[None, :]
     keep_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
-    probs = torch.softmax(sorted_logits.masked_fill(~keep_k, float("-inf")), dim=-1)
+    masked = sorted_logits.masked_fill(~keep_k, float("-inf"))
+    lse = torch.logsumexp(masked, dim=-1)
+    if full_lse is not None:
+        lse = torch.where(top_k > 0, lse, full_lse)
+    probs = torch.exp(masked - lse[:, None])
     # keep the smallest prefix whose mass reaches top_p (the first token always stays)
     mass_before = probs.cumsum(-1) - probs
     keep = keep_k & ((mass_before < top_p[:, None]) | (rank == 0))
     probs = probs.masked_fill(~keep, 0.0)
     return probs / probs.sum(-1, keepdim=True)
+
+
+NUCLEUS_CANDIDATES = 1024  # top-p is cut among the top 1024 when they provably hold the nucleus
+
+
+def _candidates(scaled: torch.Tensor, params: SamplingTensors):
+    """Sorted candidates for exact top-k/top-p: a partial top-k when it provably suffices, else a full sort."""
+    vocab = scaled.shape[-1]
+    k = min(NUCLEUS_CANDIDATES, vocab)
+    if k < vocab:
+        values, index = scaled.topk(k, dim=-1)
+        full_lse = torch.logsumexp(scaled, dim=-1)
+        mass = torch.exp(values - full_lse[:, None]).sum(-1)
+        ok = (params.greedy | ((params.top_k > 0) & (params.top_k <= k))
+              | ((params.top_k <= 0) & (params.top_p < 1) & (mass > params.top_p + 1e-6)))
+        if bool(ok.all()):
+            return values, index, full_lse
+    values, index = scaled.sort(dim=-1, descending=True)
+    return values, index, None
 
 
 def logits_to_probs(
@@ -80,9 +110,11 @@ def logits_to_probs(
     vocab = logits.shape[-1]
     if 0 < prefilter_k < vocab:
         values, index = scaled.topk(prefilter_k, dim=-1)
+        full_lse = None
     else:
-        values, index = scaled.sort(dim=-1, descending=True)
-    probs = torch.zeros_like(scaled).scatter_(-1, index, _truncate_sorted(values, params.top_p, params.top_k))
+        values, index, full_lse = _candidates(scaled, params)
+    truncated = _truncate_sorted(values, params.top_p, params.top_k, full_lse)
+    probs = torch.zeros_like(scaled).scatter_(-1, index, truncated)
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
