@@ -10,8 +10,9 @@ from dspark.sampling import SamplingTensors, logits_to_probs, sample_from
 
 
 def params(n, temperature=1.0, top_p=1.0, top_k=0):
+    generators = [torch.Generator().manual_seed(i) for i in range(n)]
     return SamplingTensors(torch.full((n,), temperature), torch.full((n,), top_p),
-                           torch.full((n,), top_k, dtype=torch.long), [torch.Generator().manual_seed(i) for i in range(n)])
+                           torch.full((n,), top_k, dtype=torch.long), generators)
 
 
 def reference(logits, temperature, top_p, top_k):
