@@ -151,12 +151,18 @@ class DSparkDraft(nn.Module):
         base_logits: torch.Tensor,  # [..., V]
         hidden: torch.Tensor,  # [..., hidden]
         prev_tokens: torch.Tensor,  # [...] token before each position (anchor for position 1)
-        position: torch.Tensor | int,  # 0-based block position(s) for the calibration temperature
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [..., V], confidence logit [...] (calibrated)
+        position: torch.Tensor | int | slice,  # 0-based block position(s) for the calibration temperature
+        candidates: torch.Tensor | None = None,  # [..., C] vocabulary ids of base_logits (None: all V)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [..., V or C], confidence logit [...] (calibrated)
         """The sequential stage at one or many positions (teacher-forced in training)."""
         logits, markov_embedding = base_logits, None
         if self.markov_head is not None:
-            bias, markov_embedding = self.markov_head(prev_tokens)
+            if candidates is None:
+                bias, markov_embedding = self.markov_head(prev_tokens)
+            else:  # the bias of the candidate tokens only: W2 rows gathered, not the whole vocabulary
+                markov_embedding = self.markov_head.markov_w1(prev_tokens)
+                w2 = self.markov_head.markov_w2.weight[candidates]  # [..., C, r]
+                bias = (w2 @ markov_embedding[..., None])[..., 0]
             logits = base_logits + bias.float()
         if self.confidence_head is None:
             return logits, torch.full(logits.shape[:-1], 30.0)
@@ -172,15 +178,30 @@ class DSparkDraft(nn.Module):
         sampling: SamplingTensors,  # B rows
         prefilter_k: int,
     ) -> DraftProposal:
-        """Sample the block left to right, each token conditioned on the one before it."""
-        base = self.base_logits(hidden)
+        """Sample the block left to right, each token conditioned on the one before it.
+
+        With ``prefilter_k`` the Markov bias is added to the top ``4 * prefilter_k`` base logits and
+        the token is drawn among the top ``prefilter_k`` of those; ``draft_probs`` is exactly the
+        distribution drawn from either way (zero outside the candidates).
+        """
+        base = self.base_logits(hidden)  # [B, G, V]
+        vocab = base.shape[-1]
+        candidates = None
+        if 0 < prefilter_k < vocab:
+            base, candidates = base.topk(min(vocab, 4 * prefilter_k), dim=-1)  # [B, G, C]
         tokens, probs, confidences = [], [], []
         prev = anchors
         uniforms = sampling.uniforms(hidden.shape[1])  # [B, G]
         for k in range(hidden.shape[1]):
-            logits, conf_logit = self.position_logits(base[:, k], hidden[:, k], prev, k)
-            draft_probs = logits_to_probs(logits, sampling, prefilter_k)
-            prev = sample_from(draft_probs, uniforms[:, k])
+            cand = None if candidates is None else candidates[:, k]
+            logits, conf_logit = self.position_logits(base[:, k], hidden[:, k], prev, k, cand)
+            local_probs = logits_to_probs(logits, sampling, prefilter_k)
+            choice = sample_from(local_probs, uniforms[:, k])
+            if cand is None:
+                draft_probs, prev = local_probs, choice
+            else:
+                draft_probs = local_probs.new_zeros(len(choice), vocab).scatter_(-1, cand, local_probs)
+                prev = cand.gather(1, choice[:, None])[:, 0]
             tokens.append(prev)
             probs.append(draft_probs)
             confidences.append(torch.sigmoid(conf_logit))
