@@ -181,7 +181,8 @@ class Engine:
         return schedule_full(self.block_size, caps)
 
     def _verify(self, round_: _Round) -> tuple[VerifyResult, torch.Tensor | None]:
-        requests, lengths, block = round_.requests, round_.lengths, self.block_size
+        requests, lengths = round_.requests, round_.lengths
+        block = self.block_size if round_.proposal is not None else 0  # prefill / plain rounds verify nothing
         lengths_list = lengths.tolist()
         uncached = [r.num_uncached for r in requests]
         num_new = [u + n for u, n in zip(uncached, lengths_list)]

@@ -88,9 +88,9 @@ def block_forward(draft: DSparkDraft, target: TargetModel, cache: TargetCache, s
     return logits, conf_logits, target_probs, labels, valid
 
 
-def _save(draft: DSparkDraft, optimizer, step: int, path: Path) -> None:
+def _save(draft: DSparkDraft, optimizer, step: int, path: Path, total: int) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+    torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "total": total},
                path / "train_state.pt.tmp")
     (path / "train_state.pt.tmp").rename(path / "train_state.pt")
 
@@ -105,20 +105,29 @@ def train(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: Trai
     train_seqs, _ = cache.split(cfg.heldout_fraction, cfg.seed)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    step = 0
+    step, total = 0, cfg.steps  # total: the step count the learning-rate schedule decays over
     state_file = work_dir / "train_state.pt"
     if state_file.is_file():
         state = torch.load(state_file, weights_only=False)
         draft.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
+        step, total = state["step"], state.get("total", cfg.steps)
         log(f"[train] resumed at step {step}")
-    schedule = lambda s: min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(s / cfg.steps, 1)))  # noqa: E731
+    def schedule(s: int) -> float:
+        return min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(s / total, 1)))
+
     rng = random.Random(cfg.seed + step)
     started, ema = time.time(), None
     bar = tqdm(total=cfg.steps, initial=step, desc="train", mininterval=5.0, dynamic_ncols=True)
     draft.train()
-    while step < cfg.steps:
+    first_step = step
+    while step < total:
+        if cfg.time_budget_s is not None and step == first_step + 20:
+            # fit the schedule to the budget: decay over the steps the remaining time allows
+            per_step = (time.time() - started) / 20
+            total = min(total, step + int((cfg.time_budget_s - (time.time() - started)) / per_step))
+            bar.total = total
+            log(f"[train] {per_step:.2f}s/step: schedule set to {total} steps for the time budget")
         if cfg.time_budget_s is not None and time.time() - started > cfg.time_budget_s:
             log(f"[train] time budget reached at step {step}")
             break
@@ -138,12 +147,12 @@ def train(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: Trai
         ema = metrics if ema is None else {k: 0.98 * ema[k] + 0.02 * v for k, v in metrics.items()}
         bar.set_postfix(loss=f"{ema['loss']:.3f}", acc1=f"{ema['acc1']:.3f}", tau=f"{ema['tau']:.2f}")
         bar.update(1)
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            _save(draft, optimizer, step, work_dir)
+        if step % cfg.checkpoint_every == 0 or step == total:
+            _save(draft, optimizer, step, work_dir, total)
             log(f"[train] step {step} loss {ema['loss']:.4f} acc1 {ema['acc1']:.3f} tau~{ema['tau']:.3f} "
                 f"({time.time() - started:.0f}s)")
     bar.close()
-    _save(draft, optimizer, step, work_dir)
+    _save(draft, optimizer, step, work_dir, total)
     draft.eval()
     return {"steps": step, "train_seconds": time.time() - started, **(ema or {})}
 
