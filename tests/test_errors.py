@@ -14,7 +14,7 @@ from dspark.config import ConfigError, SamplingParams
 from dspark.recipe import TrainFileConfig
 from dspark.schema import load_engine_config, read_yaml, sampling_from_values
 
-from conftest import make_engine
+from conftest import SHARED, make_engine
 
 
 @pytest.mark.parametrize(("values", "field"), [
@@ -133,3 +133,19 @@ def test_cli_reports_bad_config_by_name(tmp_path):
     missing = write_config(tmp_path, "target: {path: /nowhere}\n")
     out = dspark_cli("generate", "--config", str(missing), "--prompt", "x")
     assert out.returncode == 2 and "target.path" in out.stderr
+
+
+def test_cli_bench_writes_results_table_and_plot(tiny_config, tmp_path):
+    out, plot = tmp_path / "results.json", tmp_path / "acceptance.png"
+    dataset = SHARED / "benchmarks" / "mbpp.jsonl"
+    run = dspark_cli("bench", "--config", str(tiny_config), "--dataset", str(dataset), "--limit", "2",
+                     "--max-tokens", "12", "--out", str(out), "--plot", str(plot), "--baseline-dtypes", "float64")
+    assert run.returncode == 0, run.stderr
+    results = json.loads(out.read_text())
+    spec = results["benchmarks"]["mbpp"]["speculative"]
+    assert spec["prompts"] == 2 and spec["completion_tokens"] > 0 and spec["verify_steps"] > 0
+    assert len(spec["acceptance_rate_per_pos"]) <= results["block_size"]
+    assert sum(spec["acceptance_histogram"]) == spec["num_drafts"]
+    assert results["benchmarks"]["mbpp"]["speedup"] > 0 and set(spec["time_split_s"]) >= {"draft", "verify"}
+    assert "| mbpp | 2 |" in results["markdown"] and "**Pooled**" in run.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
