@@ -130,30 +130,40 @@ def decontaminate(prompts: list[str], benchmark_dir: Path) -> list[str]:
 
 
 def generate_responses(engine, tokenizer, prompts: list[str], out_path: Path, max_tokens: int = 256,
-                       batch: int = 48, seed: int = 0, time_budget_s: float | None = None) -> int:
-    """Regenerate responses with the target; append JSONL rows; resume where a previous run stopped."""
+                       seed: int = 0, time_budget_s: float | None = None) -> int:
+    """Regenerate responses with the target; append JSONL rows in prompt order; resume where a run stopped.
+
+    All remaining prompts are queued at once so the engine's continuous batching keeps every
+    sequence slot busy (a finished response frees its slot for the next prompt at once).
+    """
     from dspark.config import SamplingParams
     from dspark.loader import encode_prompt
 
-    done = 0
-    if out_path.exists():
-        done = sum(1 for _ in out_path.open())
-    start, tokens = time.time(), 0
+    done = sum(1 for _ in out_path.open()) if out_path.exists() else 0
+    start, tokens, finished = time.time(), 0, {}
+    ids: dict[int, int] = {}
+    for index in range(done, len(prompts)):
+        sampled = index % 2 == 1  # half greedy, half temperature 1.0 / top-p 0.95
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if sampled else 0.0,
+                                top_p=0.95 if sampled else 1.0, seed=seed + index)
+        ids[engine.add_request(encode_prompt(tokenizer, prompts[index], chat=True)[-1024:], params)] = index
+    next_row, last_report = done, time.time()
     with out_path.open("a") as out:
-        for first in range(done, len(prompts), batch):
+        while engine.has_unfinished():
             if time_budget_s is not None and time.time() - start > time_budget_s:
                 break
-            chunk = prompts[first: first + batch]
-            ids = [encode_prompt(tokenizer, p, chat=True)[-1024:] for p in chunk]
-            params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=seed + first + i)
-                      if (first + i) % 2 == 0 else
-                      SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=seed + first + i)
-                      for i in range(len(chunk))]
-            for prompt_ids, result in zip(ids, engine.generate(ids, params)):
-                out.write(json.dumps({"prompt_ids": prompt_ids, "response_ids": result.token_ids}) + "\n")
-                tokens += len(result.token_ids)
-            out.flush()
-            rate = tokens / max(time.time() - start, 1e-9)
-            print(f"[data] {min(first + batch, len(prompts))}/{len(prompts)} prompts, {tokens} new tokens, "
-                  f"{rate:.0f} tok/s", flush=True)
+            for output in engine.step():
+                if output.finished:
+                    result = engine.result(output.request_id)
+                    finished[ids[output.request_id]] = result
+                    tokens += len(result.token_ids)
+            while next_row in finished:
+                result = finished.pop(next_row)
+                out.write(json.dumps({"prompt_ids": result.prompt_ids, "response_ids": result.token_ids}) + "\n")
+                next_row += 1
+            if time.time() - last_report > 30:
+                out.flush()
+                last_report = time.time()
+                print(f"[data] {next_row}/{len(prompts)} prompts written, {tokens} new tokens, "
+                      f"{tokens / (time.time() - start):.0f} tok/s", flush=True)
     return tokens

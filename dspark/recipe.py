@@ -74,7 +74,7 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
         log(f"[data] {len(prompts)} prompts after decontamination")
         engine = Engine(target, tokenizer, None, EngineConfig(
             speculate=False, max_num_seqs=cfg.data.batch, kv_cache_tokens=cfg.data.batch * 1400, max_model_len=2048))
-        generate_responses(engine, tokenizer, prompts, responses, cfg.data.max_tokens, cfg.data.batch,
+        generate_responses(engine, tokenizer, prompts, responses, cfg.data.max_tokens,
                            time_budget_s=cfg.data.time_budget_s)
     arch = cfg.draft
     cache_dir = work / f"target_cache_{'_'.join(map(str, arch.target_layer_ids))}"
