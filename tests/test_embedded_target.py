@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -55,3 +57,21 @@ def test_profile_is_measured_at_start_up(smollm2):
     assert profile.token_counts == (1, 2, 4, 8)
     assert all(b >= a > 0 for a, b in zip(profile.seconds, profile.seconds[1:]))
     assert profile.draft_seconds > 0
+
+
+def test_shipped_draft_loads_and_is_lossless_on_the_embedded_default(smollm2):
+    from dspark.loader import build_engine
+    from dspark.schema import load_engine_config
+
+    cfg = load_engine_config(Path(__file__).resolve().parents[1] / "configs" / "embedded.yaml")
+    engine = build_engine(cfg.model_copy(update={"target": cfg.target.model_copy(update={"path": str(smollm2[0])})}))
+    assert engine.drafter is not None and engine.block_size == 7
+    draft_cfg = engine.drafter.model.config
+    assert draft_cfg.target_layer_ids == (2, 7, 21, 26, 28) and len(draft_cfg.confidence_temperatures) == 7
+    tok = smollm2[2]
+    prompts = [encode_prompt(tok, p, chat=True) for p in benchmark_prompts("mbpp", 2)]
+    params = SamplingParams(max_tokens=32, temperature=0)
+    spec = engine.generate(prompts, params)
+    plain = Engine(smollm2[1], tok, None, EngineConfig(speculate=False, kv_cache_tokens=4096)).generate(prompts, params)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert engine.metrics.acceptance_length > 1.3  # a trained head: a random one stays near 1.0
