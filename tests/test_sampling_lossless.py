@@ -88,7 +88,7 @@ def run_engine(target, verification: str, scheduler: str) -> tuple[torch.Tensor,
 
 
 def chi_square_p(counts: torch.Tensor, joint: torch.Tensor) -> float:
-    expected = joint.flatten() * counts.sum()
+    expected = joint.flatten() / joint.sum() * counts.sum()  # float32 rounding: renormalise exactly
     observed = counts.flatten().double()
     small = expected < 5
     exp = torch.cat((expected[~small], expected[small].sum()[None]))
