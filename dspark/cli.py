@@ -17,7 +17,7 @@ def _generate(args: argparse.Namespace) -> int:
     cfg = load_engine_config(args.config)
     params = sampling_from_values(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   top_k=args.top_k, seed=args.seed, stop=args.stop or None)
-    engine = build_engine(cfg, speculate=False if args.no_spec else None, threads=args.threads)
+    engine = build_engine(cfg, speculate=False if args.no_spec else None)
     tok = engine.tokenizer
     prompt_ids = encode_prompt(tok, args.prompt, args.chat)
     rid = engine.add_request(prompt_ids, params)
@@ -65,10 +65,6 @@ def _train(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update=overrides)})
     if args.data_time_budget is not None:
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"time_budget_s": args.data_time_budget})})
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     run_recipe(cfg, paths.resolve, tuple(args.stages.split(",")))
     return 0
 
@@ -77,10 +73,6 @@ def _bench(args: argparse.Namespace) -> int:
     from dspark.bench import markdown_table, plot_acceptance, run_bench
     from dspark.schema import load_engine_config
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     cfg = load_engine_config(args.config)
     if args.no_scheduler:
         cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"scheduler": "full"})})
@@ -148,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         return args.func(args)
     except ConfigError as exc:

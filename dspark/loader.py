@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from dspark.checkpoint import load_draft
 from dspark.config import ConfigError, EngineConfig
 from dspark.drafter import DSparkDrafter
@@ -36,9 +34,7 @@ def build_drafter(cfg: EngineFileConfig, target: TargetModel, engine_cfg: Engine
                          engine_cfg.block_size)
 
 
-def build_engine(cfg: EngineFileConfig, speculate: bool | None = None, threads: int | None = None) -> Engine:
-    if threads:
-        torch.set_num_threads(threads)
+def build_engine(cfg: EngineFileConfig, speculate: bool | None = None) -> Engine:
     target_path = cfg.resolve(cfg.target.path)
     if not target_path.is_dir():
         raise ConfigError("target.path", f"{target_path} is not a directory (run `dspark prepare`?)")
