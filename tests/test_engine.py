@@ -93,3 +93,13 @@ def test_abort_and_finish_return_every_cache_block(tiny_target, tiny_tokenizer, 
     m = engine.metrics
     assert m.verify_steps >= m.num_drafts > 0 and m.num_accepted_tokens <= m.num_draft_tokens <= m.num_drafted_tokens
     assert sum(m.accepted_per_pos) == m.num_accepted_tokens
+
+
+def test_plain_sampled_decoding_runs_and_reproduces(tiny_target, tiny_tokenizer):
+    prompts = [tiny_tokenizer.encode(p) for p in PROMPTS]
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True) for i in range(4)]
+    a = make_engine(tiny_target, tiny_tokenizer, speculate=False).generate(prompts, params)
+    b = make_engine(tiny_target, tiny_tokenizer, speculate=False).generate(prompts, params)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert all(len(r.token_ids) == 12 and r.metrics.verify_steps == 12 for r in a)
+    assert len({tuple(r.token_ids) for r in a}) > 1
