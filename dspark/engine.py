@@ -153,7 +153,7 @@ class Engine:
             request = self.waiting[0]
             if not self.cache.allocator.can_reserve(request.reservation):
                 break
-            if self.drafter is not None and hasattr(self.drafter, "can_start") and not self.drafter.can_start(request):
+            if self.drafter is not None and not self.drafter.can_start(request):
                 break
             self.waiting.popleft()
             self.cache.allocator.reserve(request.request_id, request.reservation)

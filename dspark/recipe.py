@@ -8,6 +8,7 @@ in ``work_dir`` outside git.
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -57,7 +58,8 @@ class TrainFileConfig(_Strict):
     target_path: str = Field(description="Target checkpoint directory ($VARS and ~ expanded).")
     work_dir: str = Field(description="Caches and training state (outside git).")
     output_dir: str = Field(description="Where the trained draft is exported (speculators layout).")
-    export_dtype: str = Field("bfloat16", description="dtype of the exported weights.")
+    export_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="dtype of the exported weights.")
     data: DataSpec = Field(default_factory=DataSpec, description="Training data.")
     draft: DraftArchSpec = Field(description="Draft architecture.")
     train: TrainSpec = Field(default_factory=TrainSpec, description="Optimisation.")

@@ -23,6 +23,9 @@ class OracleDrafter:
         self.references, self.vocab, self.block_size = references, vocab, block_size
         self.proposed = 0
 
+    def can_start(self, request) -> bool:
+        return True
+
     def start(self, request) -> None:
         pass
 
