@@ -1,13 +1,14 @@
 """Drafters: what proposes a block for a batch of running requests.
 
 ``DSparkDrafter`` runs the DSpark head over its own paged cache of context keys/values; any
-object with the same three methods (``start``, ``propose``, ``release``) can stand in for it
+object with the methods of ``Drafter`` can stand in for it
 (the tests use an oracle that proposes the target's own continuation).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -17,12 +18,30 @@ from dspark.request import Request
 from dspark.sampling import SamplingTensors
 
 
+@dataclass
+class DraftInputs:
+    """Which sequences to draft for, and where each block starts."""
+
+    request_ids: list[int]
+    anchors: torch.Tensor  # [B] last committed token of each sequence
+    anchor_positions: torch.Tensor  # [B] its position (= tokens of context before it)
+
+    @classmethod
+    def from_requests(cls, requests: list[Request]) -> DraftInputs:
+        return cls([r.request_id for r in requests], torch.tensor([r.anchor for r in requests]),
+                   torch.tensor([len(r.tokens) - 1 for r in requests]))
+
+
 class Drafter(Protocol):
     block_size: int
 
     def can_start(self, request: Request) -> bool: ...
 
     def start(self, request: Request) -> None: ...
+
+    def commit(self, request_ids: list[int], kept: list[int], features: torch.Tensor | None) -> None:
+        """Context rows committed by a verify pass: ``kept[i]`` rows for ``request_ids[i]``, packed in
+        ``features`` [sum kept, K * hidden] (None when they travel to the drafter another way)."""
 
     def propose(self, requests: list[Request], sampling: SamplingTensors) -> DraftProposal: ...
 
@@ -41,41 +60,60 @@ class DSparkDrafter:
         self.cache = model.make_cache(cache_tokens, kv_block_size)
         self.prefilter_k = prefilter_k
         self.mask_token_id = model.config.mask_token_id
+        self.pending: dict[int, list[torch.Tensor]] = {}  # request id -> context rows not yet in the cache
 
     def can_start(self, request: Request) -> bool:
         return self.cache.allocator.can_reserve(request.reservation)
 
     def start(self, request: Request) -> None:
-        self.cache.allocator.reserve(request.request_id, request.reservation)
+        self.start_sequence(request.request_id, request.reservation)
+
+    def start_sequence(self, request_id: int, reservation: int) -> None:
+        self.cache.allocator.reserve(request_id, reservation)
+        self.pending[request_id] = []
 
     def release(self, request: Request) -> None:
-        self.cache.allocator.free(request.request_id)
+        self.release_sequence(request.request_id)
+
+    def release_sequence(self, request_id: int) -> None:
+        self.cache.allocator.free(request_id)
+        self.pending.pop(request_id, None)
+
+    def commit(self, request_ids: list[int], kept: list[int], features: torch.Tensor | None) -> None:
+        if features is None:
+            raise ValueError("the in-process drafter needs the committed features")
+        for rid, rows in zip(request_ids, features.split(kept)):
+            if rid in self.pending and len(rows):
+                self.pending[rid].append(rows)
+
+    def propose(self, requests: list[Request], sampling: SamplingTensors) -> DraftProposal:
+        return self.draft(DraftInputs.from_requests(requests), sampling)
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], sampling: SamplingTensors) -> DraftProposal:
+    def draft(self, inputs: DraftInputs, sampling: SamplingTensors) -> DraftProposal:
         alloc = self.cache.allocator
-        ids = [r.request_id for r in requests]
+        ids = inputs.request_ids
         starts = [alloc.lengths[i] for i in ids]
-        new = [sum(f.shape[0] for f in r.pending_features) for r in requests]
-        for r, start in zip(requests, starts):
-            if r.pending_features and r.pending_start != start:
-                raise RuntimeError(f"request {r.request_id}: draft context out of step ({r.pending_start} != {start})")
+        pending = [self.pending.pop(i, []) for i in ids]
+        for i in ids:
+            self.pending[i] = []
+        new = [sum(f.shape[0] for f in rows) for rows in pending]
+        for rid, start, n, anchor_pos in zip(ids, starts, new, inputs.anchor_positions.tolist()):
+            if start + n != anchor_pos:
+                raise RuntimeError(f"request {rid}: draft context out of step ({start} + {n} rows != {anchor_pos})")
         meta = alloc.metadata(ids, starts, new, causal=False, device=self.model.fc.weight.device)
         width, c_max = self.model.fc.in_features, max(max(new), 0)
-        features = torch.zeros(len(requests), c_max, width, dtype=self.model.fc.weight.dtype)
-        for b, r in enumerate(requests):
-            if r.pending_features:
-                features[b, : new[b]] = torch.cat(r.pending_features).to(features.dtype)
-            r.pending_features = []
+        features = torch.zeros(len(ids), c_max, width, dtype=self.model.fc.weight.dtype)
+        for b, rows in enumerate(pending):
+            if rows:
+                features[b, : new[b]] = torch.cat(rows).to(features.dtype)
         positions = torch.tensor(starts)[:, None] + torch.arange(c_max)[None, :]
-        anchor_pos = torch.tensor([len(r.tokens) - 1 for r in requests])
-        block_positions = anchor_pos[:, None] + torch.arange(self.block_size)[None, :]
-        anchors = torch.tensor([r.anchor for r in requests])
-        block_ids = torch.full((len(requests), self.block_size), self.mask_token_id)
-        block_ids[:, 0] = anchors
+        block_positions = inputs.anchor_positions[:, None] + torch.arange(self.block_size)[None, :]
+        block_ids = torch.full((len(ids), self.block_size), self.mask_token_id)
+        block_ids[:, 0] = inputs.anchors
         hidden = self.model.backbone(block_ids, block_positions, self.model.fuse(features), positions,
                                      self.cache, meta)
-        return self.model.propose(hidden, anchors, sampling, self.prefilter_k)
+        return self.model.propose(hidden, inputs.anchors, sampling, self.prefilter_k)
 
     @torch.inference_mode()
     def round_seconds(self, context: int = 64, repeats: int = 3) -> float:

@@ -21,10 +21,10 @@ from dspark.draft_model import DraftProposal
 from dspark.drafter import Drafter
 from dspark.metrics import SpecMetrics
 from dspark.request import Request, RequestOutput, Status
-from dspark.sampling import SamplingTensors, logits_to_probs
+from dspark.sampling import SamplingTensors
 from dspark.scheduler import StepCostProfile, schedule_full, schedule_prefix
 from dspark.target_model import TargetModel
-from dspark.verification import VerifyResult, verify
+from dspark.target_runner import TargetRunner, VerifyBatch, VerifyOutput
 
 
 @dataclass
@@ -47,25 +47,32 @@ class _Round:
 
 
 class Engine:
+    """``target`` is a TargetModel (run in this process) or any object with ``TargetRunner``'s
+    interface (``config``, ``allocator``, ``run``, ``forward``), such as the Ray router's handle
+    on its target shard actors."""
+
     def __init__(
         self,
-        target: TargetModel,
+        target: TargetModel | TargetRunner,
         tokenizer,
         drafter: Drafter | None,
         config: EngineConfig,
         feature_layers: tuple[int, ...] = (),
         profile: StepCostProfile | None = None,
     ):
-        self.target, self.tokenizer, self.config = target, tokenizer, config
+        self.tokenizer, self.config = tokenizer, config
         self.drafter = drafter if config.speculate else None
         self.block_size = self.drafter.block_size if self.drafter else 0
-        self.feature_layers = feature_layers if self.drafter else ()
+        num_layers = target.config.num_layers
         if self.drafter is not None:
-            bad = [i for i in feature_layers if i >= target.config.num_layers]
+            bad = [i for i in feature_layers if i >= num_layers]
             if bad:
-                raise ConfigError("aux_hidden_state_layer_ids",
-                                  f"{bad} beyond the target's {target.config.num_layers} layers")
-        self.cache = target.make_cache(config.kv_cache_tokens, config.kv_block_size)
+                raise ConfigError("aux_hidden_state_layer_ids", f"{bad} beyond the target's {num_layers} layers")
+        if isinstance(target, TargetModel):
+            cache = target.make_cache(config.kv_cache_tokens, config.kv_block_size)
+            target = TargetRunner(target, cache, feature_layers if self.drafter else (), config.verification)
+        self.target = target
+        self.allocator = target.allocator
         self.eos_ids = self._eos_ids(tokenizer)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -106,7 +113,7 @@ class Engine:
             raise ConfigError("prompt", f"token ids must be in [0, {vocab})")
         rid = next(self._ids) if request_id is None else request_id
         request = Request(rid, list(prompt_ids), params)
-        if self.cache.allocator.blocks_for(request.reservation) > self.cache.allocator.usable_blocks:
+        if self.allocator.blocks_for(request.reservation) > self.allocator.usable_blocks:
             raise ConfigError("max_tokens", "request can never fit the KV cache: lower max_tokens or the prompt")
         self.requests[rid] = request
         self.waiting.append(request)
@@ -127,20 +134,25 @@ class Engine:
         rounds = []
         if prefill:
             rounds.append(_Round(prefill, None, torch.zeros(len(prefill), dtype=torch.long)))
-        if decode and self.drafter is not None:
+        speculative = [r for r in decode if r.speculative and self.drafter is not None]
+        plain = [r for r in decode if not (r.speculative and self.drafter is not None)]
+        if plain:
+            rounds.append(_Round(plain, None, torch.zeros(len(plain), dtype=torch.long)))
+        if speculative:
             t0 = time.perf_counter()
-            proposal = self._draft(decode)
+            proposal = self._draft(speculative)
             t1 = time.perf_counter()
-            rounds.append(_Round(decode, proposal, self._schedule_verify(decode, proposal)))
             self.timings["draft"] += t1 - t0
+            if proposal is None:  # the drafter failed: these rows decode plainly this step
+                rounds.append(_Round(speculative, None, torch.zeros(len(speculative), dtype=torch.long)))
+            else:
+                rounds.append(_Round(speculative, proposal, self._schedule_verify(speculative, proposal)))
             self.timings["schedule"] += time.perf_counter() - t1
-        elif decode:
-            rounds.append(_Round(decode, None, torch.zeros(len(decode), dtype=torch.long)))
         for round_ in rounds:
             t0 = time.perf_counter()
-            result, features = self._verify(round_)
+            output = self.target.run(self._verify_batch(round_))
             self.timings["verify"] += time.perf_counter() - t0
-            self._commit(round_, result, features)
+            self._commit(round_, output)
         outputs = self._emit(prefill + decode)
         self.timings["step"] += time.perf_counter() - started
         return outputs
@@ -151,12 +163,13 @@ class Engine:
         prefill = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self.cache.allocator.can_reserve(request.reservation):
+            if not self.allocator.can_reserve(request.reservation):
                 break
             if self.drafter is not None and not self.drafter.can_start(request):
                 break
             self.waiting.popleft()
-            self.cache.allocator.reserve(request.request_id, request.reservation)
+            self.allocator.reserve(request.request_id, request.reservation)
+            request.speculative = self.drafter is not None
             if self.drafter is not None:
                 self.drafter.start(request)
             request.status = Status.RUNNING
@@ -167,7 +180,7 @@ class Engine:
     def _sampling(self, requests: list[Request]) -> SamplingTensors:
         return SamplingTensors.build([r.params for r in requests], [r.generator for r in requests])
 
-    def _draft(self, requests: list[Request]) -> DraftProposal:
+    def _draft(self, requests: list[Request]) -> DraftProposal | None:
         return self.drafter.propose(requests, self._sampling(requests))
 
     def _max_lengths(self, requests: list[Request]) -> torch.Tensor:
@@ -180,15 +193,14 @@ class Engine:
             return schedule_prefix(proposal.confidences, self.profile, caps)
         return schedule_full(self.block_size, caps)
 
-    def _verify(self, round_: _Round) -> tuple[VerifyResult, torch.Tensor | None]:
+    def _verify_batch(self, round_: _Round) -> VerifyBatch:
+        """The target's inputs: each row's uncached committed tokens, then its scheduled draft prefix."""
         requests, lengths = round_.requests, round_.lengths
         block = self.block_size if round_.proposal is not None else 0  # prefill / plain rounds verify nothing
-        lengths_list = lengths.tolist()
         uncached = [r.num_uncached for r in requests]
-        num_new = [u + n for u, n in zip(uncached, lengths_list)]
-        ids = [r.request_id for r in requests]
+        num_new = [u + n for u, n in zip(uncached, lengths.tolist())]
         starts = [r.num_cached for r in requests]
-        meta = self.cache.allocator.metadata(ids, starts, num_new, causal=True)
+        meta = self.allocator.metadata([r.request_id for r in requests], starts, num_new, causal=True)
         q_max = max(num_new)
         input_ids = torch.zeros(len(requests), q_max, dtype=torch.long)
         draft_tokens = (round_.proposal.tokens if round_.proposal is not None
@@ -201,38 +213,40 @@ class Engine:
         if block:
             input_ids = torch.where((idx >= u) & (idx < torch.tensor(num_new)[:, None]),
                                     draft_tokens.gather(1, draft_index), input_ids)
-        positions = torch.tensor(starts)[:, None] + idx
-        logits_at = (u - 1 + torch.arange(block + 1)[None, :]).clamp(max=q_max - 1)
-        out = self.target(input_ids, positions, self.cache, meta, logits_at, self.feature_layers)
         sampling = self._sampling(requests)
-        greedy = sampling.greedy
-        if bool(greedy.all()):
-            target_probs = out.logits
-        else:
-            flat = logits_to_probs(out.logits.flatten(0, 1), sampling.repeat(block + 1))
-            target_probs = flat.view_as(out.logits)
-        draft_probs = (round_.proposal.draft_probs if round_.proposal is not None
-                       else torch.zeros(len(requests), block, out.logits.shape[-1]))
-        result = verify(self.config.verification, draft_tokens, lengths, draft_probs, out.logits,
-                        target_probs, greedy, sampling.uniforms(block + 2))
-        return result, out.features
+        greedy = bool(sampling.greedy.all())
+        return VerifyBatch(
+            input_ids=input_ids,
+            positions=torch.tensor(starts)[:, None] + idx,
+            meta=meta,
+            logits_at=(u - 1 + torch.arange(block + 1)[None, :]).clamp(max=q_max - 1),
+            num_uncached=u[:, 0],
+            draft_tokens=draft_tokens,
+            num_draft=lengths,
+            draft_probs=None if round_.proposal is None or greedy else round_.proposal.draft_probs,
+            sampling=SamplingTensors(sampling.temperature, sampling.top_p, sampling.top_k, []),
+            uniforms=sampling.uniforms(block + 2),
+            want_features=torch.tensor([r.speculative and self.drafter is not None for r in requests]),
+        )
 
-    def _commit(self, round_: _Round, result: VerifyResult, features: torch.Tensor | None) -> None:
+    def _commit(self, round_: _Round, output: VerifyOutput) -> None:
+        result = output.result
         tokens_rows = result.tokens.tolist()
         accepted_rows = result.num_accepted.tolist()
+        kept_rows = output.kept.tolist()
         lengths = round_.lengths.tolist()
+        want = [r.speculative and self.drafter is not None for r in round_.requests]
+        if any(want):
+            self.drafter.commit([r.request_id for r, w in zip(round_.requests, want) if w],
+                                [k for k, w in zip(kept_rows, want) if w],
+                                output.packed_features(torch.tensor(want)))
         for b, request in enumerate(round_.requests):
             if request.status == Status.FINISHED:  # aborted while in flight
                 continue
             accepted = accepted_rows[b]
-            kept = request.num_uncached + accepted  # cache entries that stay
-            if features is not None:
-                if not request.pending_features:
-                    request.pending_start = request.num_cached
-                request.pending_features.append(features[b, :kept])
-            request.num_cached += kept
-            self.cache.allocator.truncate(request.request_id, request.num_cached)
-            new = [t for t in tokens_rows[b][: accepted + 1]]
+            request.num_cached += kept_rows[b]
+            self.allocator.truncate(request.request_id, request.num_cached)
+            new = tokens_rows[b][: accepted + 1]
             drafted = self.block_size if round_.proposal is not None else 0
             request.metrics.record_round(drafted, lengths[b], accepted)
             self.metrics.record_round(drafted, lengths[b], accepted)
@@ -276,10 +290,9 @@ class Engine:
         request.status, request.finish_reason = Status.FINISHED, reason
         request.metrics.record_finished(request.metrics.completion_tokens, request.metrics.verify_steps)
         self.metrics.record_finished(request.metrics.completion_tokens, request.metrics.verify_steps)
-        self.cache.allocator.free(request.request_id)
-        if self.drafter is not None:
+        self.allocator.free(request.request_id)
+        if self.drafter is not None and request.speculative:
             self.drafter.release(request)
-        request.pending_features = []
         if request in self.running:
             self.running.remove(request)
         if request in self.waiting:
@@ -321,14 +334,13 @@ class Engine:
         """Profile verify cost against batch tokens on this machine (the scheduler's SPS table)."""
         cap = min(self.config.profile_max_tokens, self.config.max_num_seqs * (self.block_size + 1))
         counts = sorted({1, *[2**i for i in range(1, 16) if 2**i <= cap], cap})
-        alloc, sid = self.cache.allocator, -1
+        alloc, sid = self.allocator, -1
         alloc.reserve(sid, cap + 64)
 
         def run(n: int) -> None:
             alloc.truncate(sid, 64)
             meta = alloc.metadata([sid], [64], [n])
-            ids = torch.zeros(1, n, dtype=torch.long)
-            self.target(ids, 64 + torch.arange(n)[None], self.cache, meta, None, self.feature_layers)
+            self.target.forward(torch.zeros(1, n, dtype=torch.long), 64 + torch.arange(n)[None], meta)
 
         try:
             alloc.grow(sid, 64)

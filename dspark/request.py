@@ -37,8 +37,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_cached: int = 0  # tokens whose keys/values are in the target cache (all but the anchor)
-    pending_features: list[torch.Tensor] = field(default_factory=list)  # [n, K * hidden] for the drafter
-    pending_start: int = 0  # position of the first pending feature row
+    speculative: bool = True  # drafted for; False once it decodes without a drafter (e.g. after a drafter failure)
     new_tokens: list[int] = field(default_factory=list)  # committed since the last emit
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     generator: torch.Generator = field(default_factory=torch.Generator)

@@ -77,7 +77,7 @@ def test_stop_strings_and_eos(tiny_target, tiny_tokenizer, drafter):
 
 def test_abort_and_finish_return_every_cache_block(tiny_target, tiny_tokenizer, drafter):
     engine = make_engine(tiny_target, tiny_tokenizer, drafter, max_num_seqs=2)
-    free_target = engine.cache.allocator.num_free_blocks
+    free_target = engine.allocator.num_free_blocks
     free_draft = drafter.cache.allocator.num_free_blocks
     ids = [engine.add_request(tiny_tokenizer.encode(p), SamplingParams(max_tokens=30, temperature=0.7, seed=1))
            for p in PROMPTS]
@@ -88,7 +88,7 @@ def test_abort_and_finish_return_every_cache_block(tiny_target, tiny_tokenizer, 
     for _ in engine.stream():
         pass
     assert engine.requests[ids[0]].finish_reason == "abort"
-    assert engine.cache.allocator.num_free_blocks == free_target
+    assert engine.allocator.num_free_blocks == free_target
     assert drafter.cache.allocator.num_free_blocks == free_draft
     m = engine.metrics
     assert m.verify_steps >= m.num_drafts > 0 and m.num_accepted_tokens <= m.num_draft_tokens <= m.num_drafted_tokens

@@ -32,6 +32,9 @@ class OracleDrafter:
     def release(self, request) -> None:
         pass
 
+    def commit(self, request_ids, kept, features) -> None:
+        pass
+
     def propose(self, requests, sampling) -> DraftProposal:
         rows = []
         for r in requests:

@@ -15,6 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 import dspark.engine as engine_module
+import dspark.target_runner as target_runner
 from dspark.config import DecoderConfig, SamplingParams
 from dspark.draft_model import DSparkDraft
 from dspark.drafter import DSparkDrafter
@@ -122,7 +123,7 @@ def broken_verify(method, draft_tokens, num_draft, draft_probs, target_logits, t
 
 
 def test_the_test_catches_a_broken_verifier(target, exact, monkeypatch):
-    monkeypatch.setattr(engine_module, "verify", broken_verify)
+    monkeypatch.setattr(target_runner, "verify", broken_verify)
     counts, _ = run_engine(target, "token", "full")
     assert chi_square_p(counts, exact) < 1e-6
-    monkeypatch.setattr(engine_module, "verify", verify)
+    monkeypatch.setattr(target_runner, "verify", verify)
