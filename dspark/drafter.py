@@ -34,6 +34,7 @@ class DraftInputs:
 
 class Drafter(Protocol):
     block_size: int
+    available: bool  # False while a remote drafter is down: new requests then decode without drafts
 
     def can_start(self, request: Request) -> bool: ...
 
@@ -43,13 +44,16 @@ class Drafter(Protocol):
         """Context rows committed by a verify pass: ``kept[i]`` rows for ``request_ids[i]``, packed in
         ``features`` [sum kept, K * hidden] (None when they travel to the drafter another way)."""
 
-    def propose(self, requests: list[Request], sampling: SamplingTensors) -> DraftProposal: ...
+    def propose(self, requests: list[Request], sampling: SamplingTensors) -> DraftProposal | None:
+        """A block per request; None if the drafter failed (those requests go on without it)."""
 
     def release(self, request: Request) -> None: ...
 
 
 class DSparkDrafter:
     """The DSpark head plus a per-sequence cache of its context keys and values."""
+
+    available = True
 
     def __init__(self, model: DSparkDraft, cache_tokens: int, kv_block_size: int, prefilter_k: int,
                  block_size: int | None = None):

@@ -143,7 +143,10 @@ class Engine:
             proposal = self._draft(speculative)
             t1 = time.perf_counter()
             self.timings["draft"] += t1 - t0
-            if proposal is None:  # the drafter failed: these rows decode plainly this step
+            if proposal is None:  # the drafter failed: these requests decode without it from now on
+                for request in speculative:
+                    request.speculative = False
+                self.metrics.drafter_fallbacks += len(speculative)
                 rounds.append(_Round(speculative, None, torch.zeros(len(speculative), dtype=torch.long)))
             else:
                 rounds.append(_Round(speculative, proposal, self._schedule_verify(speculative, proposal)))
@@ -165,12 +168,13 @@ class Engine:
             request = self.waiting[0]
             if not self.allocator.can_reserve(request.reservation):
                 break
-            if self.drafter is not None and not self.drafter.can_start(request):
+            speculative = self.drafter is not None and self.drafter.available
+            if speculative and not self.drafter.can_start(request):
                 break
             self.waiting.popleft()
             self.allocator.reserve(request.request_id, request.reservation)
-            request.speculative = self.drafter is not None
-            if self.drafter is not None:
+            request.speculative = speculative
+            if speculative:
                 self.drafter.start(request)
             request.status = Status.RUNNING
             self.running.append(request)

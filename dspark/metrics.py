@@ -17,7 +17,8 @@ class SpecMetrics:
     completion_tokens: int = 0
     num_requests: int = 0  # finished requests folded into the per-request average
     sum_request_acceptance: float = 0.0  # sum over finished requests of completion/verify steps
-    drafter_fallbacks: int = 0  # rounds served by plain decoding because the drafter failed
+    drafter_fallbacks: int = 0  # request-rounds decoded without a draft because the drafter failed
+    drafter_failures: int = 0  # drafter failures (remote drafter died or timed out)
 
     def record_round(self, drafted: int, scheduled: int, accepted: int) -> None:
         self.verify_steps += 1
@@ -42,7 +43,7 @@ class SpecMetrics:
         out = SpecMetrics()
         for name in (
             "num_drafts", "num_draft_tokens", "num_drafted_tokens", "num_accepted_tokens", "verify_steps",
-            "completion_tokens", "num_requests", "sum_request_acceptance", "drafter_fallbacks",
+            "completion_tokens", "num_requests", "sum_request_acceptance", "drafter_fallbacks", "drafter_failures",
         ):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.accepted_per_pos = _add_lists(self.accepted_per_pos, other.accepted_per_pos)

@@ -59,6 +59,27 @@ class EngineSpec(_Strict):
         return EngineConfig(dtype=dtype, **self.model_dump())
 
 
+class RuntimeSpec(_Strict):
+    """How one serving replica is laid out on Ray: target shards, drafter, router."""
+
+    tp_size: int = Field(1, ge=1, le=64, description="Tensor-parallel target shard actors per replica.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Collective backend between the actors (tensor-parallel all-reduce and the "
+                            "target-to-drafter hidden states): 'auto' is nccl with GPUs, gloo without.")
+    pipeline: bool = Field(False, description="Split the running batch into two micro-batches so that the "
+                                              "drafter drafts one while the target verifies the other.")
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="Ray placement group strategy of one replica's actors.")
+    shard_cpus: float = Field(0.5, ge=0, description="CPUs reserved per target shard actor.")
+    shard_gpus: float = Field(0, ge=0, description="GPUs per target shard actor.")
+    drafter_cpus: float = Field(0.5, ge=0, description="CPUs reserved for the drafter actor.")
+    drafter_gpus: float = Field(0, ge=0, description="GPUs for the drafter actor.")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op threads per actor (0: leave torch's default).")
+    drafter_timeout_s: float = Field(30.0, gt=0, description="A draft call slower than this counts as a drafter "
+                                                             "failure: the router decodes without it and restarts it.")
+    collective_timeout_s: float = Field(60.0, gt=0, description="Timeout of collective operations and rendezvous.")
+
+
 class EngineFileConfig(_Strict):
     """A YAML file in configs/: which target, which draft, how to run them."""
 
@@ -66,6 +87,7 @@ class EngineFileConfig(_Strict):
     target: TargetSpec = Field(description="The target model.")
     draft: DraftSpec = Field(default_factory=DraftSpec, description="The DSpark draft head.")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings.")
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, description="Distributed runtime (Ray actors).")
     base_dir: str = Field("", exclude=True, description="Directory relative paths resolve against (set by "
                                                         "the loader, not written in YAML).")
 

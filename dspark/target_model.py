@@ -91,6 +91,37 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def read_target_config(path: str | Path) -> DecoderConfig:
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError("model_path", f"{path} has no config.json")
+    return DecoderConfig.from_hf(json.loads(config_file.read_text()))
+
+
+def load_target_head(path: str | Path, dtype: str = "float32") -> tuple[DecoderConfig, nn.Embedding, nn.Linear]:
+    """Only the target's embedding and LM head (what a drafter process needs), read tensor by tensor."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    cfg = read_target_config(path)
+    wanted = {"model.embed_tokens.weight": None, "lm_head.weight": None}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            for name in wanted.keys() & set(handle.keys()):
+                wanted[name] = handle.get_tensor(name)
+    embed_weight = wanted["model.embed_tokens.weight"]
+    if embed_weight is None:
+        raise ConfigError("checkpoint", f"{path} has no model.embed_tokens.weight")
+    head_weight = embed_weight if cfg.tie_word_embeddings else wanted["lm_head.weight"]
+    if head_weight is None:
+        raise ConfigError("checkpoint", f"{path} has no lm_head.weight")
+    embed = nn.Embedding.from_pretrained(embed_weight.to(DTYPES[dtype]), freeze=True)
+    lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=DTYPES[dtype])
+    lm_head.weight = nn.Parameter(head_weight.to(DTYPES[dtype]), requires_grad=False)
+    return cfg, embed, lm_head
+
+
 def load_target(path: str | Path, dtype: str = "float32") -> TargetModel:
     """Load a Hugging Face checkpoint directory (config.json + safetensors) as a TargetModel."""
     path = Path(path)

@@ -7,6 +7,7 @@ actors: both paths run identical code, which is what makes their greedy outputs 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,19 @@ class VerifyBatch:
     @property
     def block(self) -> int:
         return self.draft_tokens.shape[1]
+
+    def to(self, device: torch.device | str) -> VerifyBatch:
+        """The batch with every tensor on ``device`` (a GPU shard receives it on the CPU)."""
+        return to_device(self, torch.device(device))
+
+
+def to_device(value, device: torch.device):
+    """Every tensor inside ``value`` (a tensor or a dataclass of them) moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if dataclasses.is_dataclass(value):
+        return type(value)(**{f.name: to_device(getattr(value, f.name), device) for f in dataclasses.fields(value)})
+    return value
 
 
 @dataclass

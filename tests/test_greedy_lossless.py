@@ -19,6 +19,8 @@ MAX_TOKENS = 64
 class OracleDrafter:
     """Proposes the target's own greedy continuation (known from a plain-decoding run)."""
 
+    available = True
+
     def __init__(self, references: dict[tuple[int, ...], list[int]], vocab: int, block_size: int = 4):
         self.references, self.vocab, self.block_size = references, vocab, block_size
         self.proposed = 0

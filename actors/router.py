@@ -1,0 +1,236 @@
+"""The router of one serving replica: request state and the step loop over remote actors.
+
+A ``Router`` is the in-process ``Engine`` (admission, continuous batching, confidence
+scheduling, commit, stop conditions, emission: the same code) driving remote executors:
+``RemoteTarget`` (the tensor-parallel shard actors) and ``RemoteDrafter`` (the draft actor).
+It runs wherever its owner runs: in a driver, in a Ray Serve replica, or as ``RouterActor``.
+The actors it creates are owned by it and die with it (fate-sharing).
+
+Step (``pipeline: false``): schedule -> draft -> schedule the verified prefix -> verify ->
+commit -> emit, one draft and one verify call in flight at a time.
+
+Step (``pipeline: true``): the running requests are split into two micro-batches; while the
+target verifies one, the drafter drafts the other, so neither actor waits for the other
+(the overlap the disaggregated design exists for). Greedy outputs are the same either way.
+
+Drafter failure: a draft call that raises or exceeds ``drafter_timeout_s`` turns the affected
+requests into plain target decoding (still exactly the target's output); the router replaces
+the actor in the background and new requests speculate again once it is up.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.draft_actor import DraftWorker, RemoteDrafter
+from actors.target_actor import RemoteTarget, TargetShard
+from dspark.checkpoint import draft_config_from_json
+from dspark.config import ConfigError
+from dspark.draft_model import DraftProposal
+from dspark.engine import Engine, _Round
+from dspark.loader import load_tokenizer
+from dspark.request import Request, RequestOutput, Status
+from dspark.schema import EngineFileConfig
+from dspark.target_model import read_target_config
+
+
+def replica_bundles(config: EngineFileConfig) -> list[dict[str, float]]:
+    """Placement group bundles of one replica's actors: the target shards, then the drafter."""
+    rt = config.runtime
+
+    def bundle(cpus: float, gpus: float) -> dict[str, float]:
+        return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+
+    shards = [bundle(rt.shard_cpus, rt.shard_gpus) for _ in range(rt.tp_size)]
+    drafter = [bundle(rt.drafter_cpus, rt.drafter_gpus)] if _speculates(config) else []
+    return shards + drafter
+
+
+def _speculates(config: EngineFileConfig) -> bool:
+    return config.engine.speculate and bool(config.draft.path)
+
+
+class Router(Engine):
+    def __init__(self, config: EngineFileConfig, placement=None, bundle_offset: int = 0):
+        """``placement``: a ready placement group holding ``replica_bundles(config)`` from bundle
+        ``bundle_offset`` on (a Serve replica passes its own); None creates one for this router."""
+        self.file_config, rt = config, config.runtime
+        target_path = config.resolve(config.target.path)
+        if not target_path.is_dir():
+            raise ConfigError("target.path", f"{target_path} is not a directory (run `dspark prepare`?)")
+        engine_cfg = config.engine.to_core(config.target.dtype)
+        full_config = read_target_config(target_path)
+        layers: tuple[int, ...] = ()
+        if _speculates(config):
+            draft_path = config.resolve(config.draft.path)
+            if not (draft_path / "config.json").is_file():
+                raise ConfigError("draft.path", f"{draft_path} has no config.json")
+            layers = draft_config_from_json(json.loads((draft_path / "config.json").read_text())).target_layer_ids
+        self._own_placement = placement is None
+        if placement is None:
+            placement = placement_group(replica_bundles(config), strategy=rt.placement_strategy)
+            ray.get(placement.ready(), timeout=rt.collective_timeout_s)
+        self.placement, self.bundle_offset = placement, bundle_offset
+        shards = [
+            TargetShard.options(num_cpus=rt.shard_cpus, num_gpus=rt.shard_gpus,
+                                scheduling_strategy=self._bundle(rank)).remote(config, rank, layers)
+            for rank in range(rt.tp_size)
+        ]
+        address = ray.get(shards[0].tp_address.remote())
+        ray.get([shard.join_tp.remote(address) for shard in shards])
+        self.shards = shards
+        target = RemoteTarget(config, shards, full_config)
+        drafter = None
+        self.drafter_restarts, self._pending_drafter = 0, None
+        if _speculates(config):
+            actor = self._new_drafter_actor()
+            self._connect(actor)
+            drafter = RemoteDrafter(actor, ray.get(actor.block_size.remote()), rt.drafter_timeout_s)
+        self._inflight: dict[int, tuple[list[Request], ray.ObjectRef]] = {}
+        self._admitted = 0
+        super().__init__(target, load_tokenizer(target_path), drafter, engine_cfg, layers)
+        self.timings["transport"] = 0.0
+
+    # ------------------------------------------------------------------ actors
+    def _bundle(self, index: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(placement_group=self.placement,
+                                                placement_group_bundle_index=self.bundle_offset + index)
+
+    def _new_drafter_actor(self):
+        rt = self.file_config.runtime
+        return DraftWorker.options(num_cpus=rt.drafter_cpus, num_gpus=rt.drafter_gpus,
+                                   scheduling_strategy=self._bundle(rt.tp_size)).remote(self.file_config)
+
+    def _connect(self, actor) -> None:
+        """Open a feature channel between target shard 0 and a drafter actor."""
+        address = ray.get(self.shards[0].open_channel.remote())
+        ray.get([self.shards[0].join_channel.remote(address), actor.join_channel.remote(address)],
+                timeout=self.file_config.runtime.collective_timeout_s)
+
+    def _recover_drafter(self) -> None:
+        """After a failure: replace the actor in the background, reconnect once it is up."""
+        if self._pending_drafter is None:
+            ray.get(self.shards[0].drop_channel.remote())
+            ray.kill(self.drafter.actor, no_restart=True)
+            self._inflight.clear()
+            for request in self.running:  # their context lived in the dead actor: finish without drafts
+                request.speculative = False
+            actor = self._new_drafter_actor()
+            self._pending_drafter = (actor, actor.ping.remote())
+            self.metrics.drafter_failures += 1
+            return
+        actor, ping = self._pending_drafter
+        ready, _ = ray.wait([ping], timeout=0)
+        if not ready:
+            return
+        self._pending_drafter = None
+        try:
+            ray.get(ping)
+            self._connect(actor)
+        except ray.exceptions.RayError:
+            self.drafter.actor = actor  # so that the next attempt kills this one
+            return self._recover_drafter()
+        self.drafter = RemoteDrafter(actor, self.drafter.block_size, self.drafter.timeout_s)
+        self.drafter_restarts += 1
+
+    def kill_drafter(self) -> None:
+        """Fault injection for tests and drills."""
+        ray.kill(self.drafter.actor, no_restart=True)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        if self.drafter is not None and not self.drafter.available:
+            self._recover_drafter()
+        if not self.file_config.runtime.pipeline or self.drafter is None:
+            return super().step()
+        return self._pipelined_step()
+
+    def _schedule(self):
+        prefill, decode = super()._schedule()
+        for request in prefill:  # alternate new requests between the two micro-batches
+            request.microbatch = self._admitted % 2
+            self._admitted += 1
+        return prefill, decode
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Verify micro-batch m while the drafter drafts micro-batch 1 - m."""
+        started = time.perf_counter()
+        prefill, decode = self._schedule()
+        speculative = [r for r in decode if r.speculative and self.drafter.available]
+        plain = prefill + [r for r in decode if r not in speculative]
+        if plain:
+            self._run_round(_Round(plain, None, torch.zeros(len(plain), dtype=torch.long)))
+        for m in (0, 1):
+            if m not in self._inflight:
+                self._submit_draft(m)
+        for m in (0, 1):
+            if m not in self._inflight:
+                continue
+            requests, ref = self._inflight.pop(m)
+            t0 = time.perf_counter()
+            proposal = self.drafter.result(ref)
+            self.timings["draft"] += time.perf_counter() - t0  # time the router waited for the drafter
+            if proposal is None:
+                for request in requests:
+                    request.speculative = False
+                self.metrics.drafter_fallbacks += len(requests)
+                self._inflight.clear()
+                break
+            keep = [i for i, r in enumerate(requests) if r.status == Status.RUNNING]
+            requests, proposal = [requests[i] for i in keep], _rows(proposal, keep)
+            if requests:
+                t1 = time.perf_counter()
+                lengths = self._schedule_verify(requests, proposal)
+                self.timings["schedule"] += time.perf_counter() - t1
+                self._run_round(_Round(requests, proposal, lengths))
+            self._submit_draft(m)
+        outputs = self._emit(prefill + decode)
+        self.timings["step"] += time.perf_counter() - started
+        return outputs
+
+    def _submit_draft(self, m: int) -> None:
+        group = [r for r in self.running if r.status == Status.RUNNING and r.speculative
+                 and r.microbatch == m and r.num_cached > 0]
+        if group and self.drafter.available:
+            self._inflight[m] = (group, self.drafter.submit(group, self._sampling(group)))
+
+    def _run_round(self, round_: _Round) -> None:
+        t0 = time.perf_counter()
+        output = self.target.run(self._verify_batch(round_))
+        self.timings["verify"] += time.perf_counter() - t0
+        self._commit(round_, output)
+
+    # ------------------------------------------------------------------ telemetry
+    def transport_stats(self) -> dict:
+        """Feature-channel counters of both ends (bytes that did NOT go through the object store)."""
+        sender = ray.get(self.shards[0].stats.remote())
+        receiver = ray.get(self.drafter.actor.stats.remote()) if self.drafter and self.drafter.available else None
+        return {"target": sender, "drafter": receiver, "drafter_restarts": self.drafter_restarts}
+
+    def shutdown(self) -> None:
+        for actor in [*self.shards, *([self.drafter.actor] if self.drafter else [])]:
+            ray.kill(actor, no_restart=True)
+        if self._pending_drafter is not None:
+            ray.kill(self._pending_drafter[0], no_restart=True)
+        if self._own_placement:
+            remove_placement_group(self.placement)
+
+
+def _rows(proposal: DraftProposal, keep: list[int]) -> DraftProposal:
+    """The proposal's rows ``keep`` (requests that finished while their draft was in flight drop out)."""
+    if len(keep) == len(proposal.tokens):
+        return proposal
+    index = torch.tensor(keep, dtype=torch.long)
+    probs = proposal.draft_probs
+    if probs is not None:
+        probs = probs.to_dense().index_select(0, index)
+    return DraftProposal(proposal.tokens[index], probs, proposal.confidences[index])
+
+
+RouterActor = ray.remote(Router)

@@ -1,0 +1,122 @@
+"""Target shard actors and the router's handle on them.
+
+A replica's target runs as ``tp_size`` ``TargetShard`` actors. Each holds its tensor-parallel
+slice of the model (``dspark.tensor_parallel``) and of the KV cache; the router keeps the
+block tables and sends every verify pass as one ``VerifyBatch`` to all shards. Shard 0
+returns the verification result (tokens and counts: small) and pushes the committed
+positions' fused hidden states straight to the drafter over the feature channel.
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from actors.collective import (
+    FeatureChannel,
+    StoreHost,
+    TransportCounters,
+    all_reduce_fn,
+    join_group,
+    resolve_backend,
+)
+from dspark.config import DecoderConfig
+from dspark.kv_cache import AttentionMetadata, BlockAllocator
+from dspark.schema import EngineFileConfig
+from dspark.target_model import DTYPES, load_target
+from dspark.target_runner import TargetRunner, VerifyBatch, VerifyOutput, to_device
+from dspark.tensor_parallel import check_divisible, shard_target
+
+
+@ray.remote
+class TargetShard:
+    def __init__(self, config: EngineFileConfig, rank: int, feature_layers: tuple[int, ...]):
+        runtime = config.runtime
+        if runtime.torch_threads:
+            torch.set_num_threads(runtime.torch_threads)
+        self.config, self.rank, self.world = config, rank, runtime.tp_size
+        self.feature_layers = feature_layers
+        use_gpu = runtime.shard_gpus > 0 and torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
+        self.backend = resolve_backend(runtime.backend, self.device)
+        self.model = load_target(config.resolve(config.target.path), config.target.dtype).to(self.device)
+        self.full_config: DecoderConfig = self.model.config
+        self.runner: TargetRunner | None = None
+        self.channel: FeatureChannel | None = None
+        self._tp_host = StoreHost(self.world, runtime.collective_timeout_s) if rank == 0 and self.world > 1 else None
+        self._channel_host: StoreHost | None = None
+        self.channel_errors = 0
+
+    # ---------------------------------------------------------------- set-up
+    def tp_address(self) -> tuple[str, int] | None:
+        return self._tp_host.address if self._tp_host else None
+
+    def join_tp(self, address: tuple[str, int] | None) -> None:
+        """Shard the model over the tensor-parallel group (all shards call this together)."""
+        if self.world > 1:
+            group = join_group(address, self.rank, self.world, self.backend,
+                               self.config.runtime.collective_timeout_s, self._tp_host)
+            shard_target(self.model, self.rank, self.world, all_reduce_fn(group))
+        engine = self.config.engine
+        cache = self.model.make_cache(engine.kv_cache_tokens, engine.kv_block_size)
+        self.runner = TargetRunner(self.model, cache, self.feature_layers, engine.verification)
+
+    def open_channel(self) -> tuple[str, int]:
+        """Host the rendezvous of a new feature channel to a (new) drafter (shard 0 only)."""
+        self.channel = None
+        self._channel_host = StoreHost(2, self.config.runtime.collective_timeout_s)
+        return self._channel_host.address
+
+    def join_channel(self, address: tuple[str, int]) -> None:
+        group = join_group(address, 0, 2, self.backend, self.config.runtime.collective_timeout_s,
+                           self._channel_host)
+        self.channel = FeatureChannel(group, DTYPES[self.config.target.dtype], self.device)
+
+    def drop_channel(self) -> None:
+        """The drafter is gone: stop sending (undelivered messages are abandoned)."""
+        self.channel, self._channel_host = None, None
+
+    # ---------------------------------------------------------------- work
+    def run(self, batch: VerifyBatch) -> VerifyOutput | None:
+        output = self.runner.run(batch.to(self.device))
+        if self.rank != 0:
+            return None
+        if self.channel is not None and bool(batch.want_features.any()):
+            try:
+                self.channel.send(output.packed_features(batch.want_features.to(self.device)))
+            except RuntimeError:  # the drafter died mid-transfer; the router notices on its side
+                self.channel_errors += 1
+                self.drop_channel()
+        result = output.result
+        return VerifyOutput(type(result)(result.tokens.cpu(), result.num_accepted.cpu()), output.kept.cpu(), None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        self.runner.forward(input_ids.to(self.device), positions.to(self.device),
+                            to_device(meta, self.device))
+
+    def stats(self) -> dict:
+        counters = self.channel.counters if self.channel else TransportCounters()
+        return {"rank": self.rank, "channel": counters.as_dict(), "channel_errors": self.channel_errors}
+
+    def ping(self) -> bool:
+        return True
+
+
+class RemoteTarget:
+    """The router's view of its shard actors, with ``TargetRunner``'s interface."""
+
+    def __init__(self, config: EngineFileConfig, shards: list, full_config: DecoderConfig):
+        engine = config.engine
+        check_divisible(full_config.num_heads, full_config.num_kv_heads, full_config.intermediate_size,
+                        config.runtime.tp_size)
+        self.shards, self.config = shards, full_config
+        num_blocks = max(engine.kv_cache_tokens // engine.kv_block_size, 1) + 1  # as PagedKVCache
+        self.allocator = BlockAllocator(num_blocks, engine.kv_block_size)
+
+    def run(self, batch: VerifyBatch) -> VerifyOutput:
+        ref = ray.put(batch)
+        outputs = ray.get([shard.run.remote(ref) for shard in self.shards])
+        return outputs[0]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        ray.get([shard.forward.remote(input_ids, positions, meta) for shard in self.shards])
