@@ -38,6 +38,7 @@ from dspark.loader import load_tokenizer
 from dspark.request import Request, RequestOutput, Status
 from dspark.schema import EngineFileConfig
 from dspark.target_model import read_target_config
+from dspark.tensor_parallel import check_divisible
 
 
 def replica_bundles(config: EngineFileConfig) -> list[dict[str, float]]:
@@ -66,6 +67,7 @@ class Router(Engine):
             raise ConfigError("target.path", f"{target_path} is not a directory (run `dspark prepare`?)")
         engine_cfg = config.engine.to_core(config.target.dtype)
         full_config = read_target_config(target_path)
+        check_divisible(full_config.num_heads, full_config.num_kv_heads, full_config.intermediate_size, rt.tp_size)
         layers: tuple[int, ...] = ()
         if _speculates(config):
             draft_path = config.resolve(config.draft.path)
@@ -75,29 +77,46 @@ class Router(Engine):
         self._own_placement = placement is None
         if placement is None:
             placement = placement_group(replica_bundles(config), strategy=rt.placement_strategy)
-            ray.get(placement.ready(), timeout=rt.collective_timeout_s)
+            try:
+                ray.get(placement.ready(), timeout=rt.collective_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                remove_placement_group(placement)
+                free = ray.available_resources()
+                raise RuntimeError(f"no room for a replica's actors {replica_bundles(config)} within "
+                                   f"{rt.collective_timeout_s} s (free: {free})") from None
         self.placement, self.bundle_offset = placement, bundle_offset
-        shards = [
+        self.shards, self.drafter, self._pending_drafter = [], None, None
+        self.drafter_restarts = 0
+        self._inflight: dict[int, tuple[list[Request], ray.ObjectRef]] = {}
+        self._admitted = 0
+        try:
+            target, drafter = self._start_actors(full_config, layers)
+            super().__init__(target, load_tokenizer(target_path), drafter, engine_cfg, layers)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.feature_layers = layers
+        self.timings["transport"] = 0.0
+
+    # ------------------------------------------------------------------ actors
+    def _start_actors(self, full_config, layers: tuple[int, ...]) -> tuple[RemoteTarget, RemoteDrafter | None]:
+        config, rt = self.file_config, self.file_config.runtime
+        self.shards = [
             TargetShard.options(num_cpus=rt.shard_cpus, num_gpus=rt.shard_gpus,
                                 scheduling_strategy=self._bundle(rank)).remote(config, rank, layers)
             for rank in range(rt.tp_size)
         ]
-        address = ray.get(shards[0].tp_address.remote())
-        ray.get([shard.join_tp.remote(address) for shard in shards])
-        self.shards = shards
-        target = RemoteTarget(config, shards, full_config)
-        drafter = None
-        self.drafter_restarts, self._pending_drafter = 0, None
-        if _speculates(config):
-            actor = self._new_drafter_actor()
-            self._connect(actor)
-            drafter = RemoteDrafter(actor, ray.get(actor.block_size.remote()), rt.drafter_timeout_s)
-        self._inflight: dict[int, tuple[list[Request], ray.ObjectRef]] = {}
-        self._admitted = 0
-        super().__init__(target, load_tokenizer(target_path), drafter, engine_cfg, layers)
-        self.timings["transport"] = 0.0
+        address = ray.get(self.shards[0].tp_address.remote())
+        ray.get([shard.join_tp.remote(address) for shard in self.shards])
+        target = RemoteTarget(config, self.shards, full_config)
+        if not _speculates(config):
+            return target, None
+        actor = self._new_drafter_actor()
+        self.drafter = RemoteDrafter(actor, 0, rt.drafter_timeout_s)  # known to shutdown() from here on
+        self._connect(actor)
+        self.drafter.block_size = ray.get(actor.block_size.remote())
+        return target, self.drafter
 
-    # ------------------------------------------------------------------ actors
     def _bundle(self, index: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(placement_group=self.placement,
                                                 placement_group_bundle_index=self.bundle_offset + index)
@@ -211,15 +230,18 @@ class Router(Engine):
         """Feature-channel counters of both ends (bytes that did NOT go through the object store)."""
         sender = ray.get(self.shards[0].stats.remote())
         receiver = ray.get(self.drafter.actor.stats.remote()) if self.drafter and self.drafter.available else None
-        return {"target": sender, "drafter": receiver, "drafter_restarts": self.drafter_restarts}
+        return {"target": sender, "drafter": receiver, "drafter_restarts": self.drafter_restarts,
+                "object_store_feature_bytes": self.target.returned_feature_bytes}
 
     def shutdown(self) -> None:
         for actor in [*self.shards, *([self.drafter.actor] if self.drafter else [])]:
             ray.kill(actor, no_restart=True)
         if self._pending_drafter is not None:
             ray.kill(self._pending_drafter[0], no_restart=True)
-        if self._own_placement:
+        self.shards = []
+        if self._own_placement and self.placement is not None:
             remove_placement_group(self.placement)
+            self.placement = None
 
 
 def _rows(proposal: DraftProposal, keep: list[int]) -> DraftProposal:

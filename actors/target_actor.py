@@ -25,7 +25,7 @@ from dspark.kv_cache import AttentionMetadata, BlockAllocator
 from dspark.schema import EngineFileConfig
 from dspark.target_model import DTYPES, load_target
 from dspark.target_runner import TargetRunner, VerifyBatch, VerifyOutput, to_device
-from dspark.tensor_parallel import check_divisible, shard_target
+from dspark.tensor_parallel import shard_target
 
 
 @ray.remote
@@ -107,16 +107,17 @@ class RemoteTarget:
 
     def __init__(self, config: EngineFileConfig, shards: list, full_config: DecoderConfig):
         engine = config.engine
-        check_divisible(full_config.num_heads, full_config.num_kv_heads, full_config.intermediate_size,
-                        config.runtime.tp_size)
         self.shards, self.config = shards, full_config
         num_blocks = max(engine.kv_cache_tokens // engine.kv_block_size, 1) + 1  # as PagedKVCache
         self.allocator = BlockAllocator(num_blocks, engine.kv_block_size)
+        self.returned_feature_bytes = 0  # hidden-state bytes that came back through Ray (0 by design)
 
     def run(self, batch: VerifyBatch) -> VerifyOutput:
         ref = ray.put(batch)
-        outputs = ray.get([shard.run.remote(ref) for shard in self.shards])
-        return outputs[0]
+        output = ray.get([shard.run.remote(ref) for shard in self.shards])[0]
+        if output.features is not None:
+            self.returned_feature_bytes += output.features.numel() * output.features.element_size()
+        return output
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         ray.get([shard.forward.remote(input_ids, positions, meta) for shard in self.shards])

@@ -16,8 +16,11 @@ class ConfigError(ValueError):
     """A configuration or request value is invalid; the message names the field."""
 
     def __init__(self, field_name: str, message: str):
-        self.field = field_name
+        self.field, self.message = field_name, message
         super().__init__(f"{field_name}: {message}")
+
+    def __reduce__(self):  # crosses process boundaries (Ray actors) intact
+        return ConfigError, (self.field, self.message)
 
 
 @dataclass(frozen=True)

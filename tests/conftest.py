@@ -73,3 +73,19 @@ def make_engine(target, tokenizer, drafter=None, profile=FLAT_PROFILE, **overrid
     cfg = EngineConfig(**{"max_num_seqs": 8, "kv_cache_tokens": 8192, "dtype": "float64", **overrides})
     layers = drafter.model.config.target_layer_ids if isinstance(drafter, DSparkDrafter) else ()
     return Engine(target, tokenizer, drafter, cfg, feature_layers=layers, profile=profile)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole test session (2 logical CPUs; actors take fractions)."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    finally:
+        ray.shutdown()

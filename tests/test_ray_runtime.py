@@ -1,0 +1,130 @@
+"""The distributed runtime: target shard actors, drafter actor and router on a real local Ray cluster."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from actors.router import Router, replica_bundles
+from dspark.config import ConfigError, SamplingParams
+from dspark.loader import build_engine, encode_prompt
+from dspark.prepare import prepare_target
+from dspark.schema import EngineFileConfig, load_engine_config
+
+from conftest import REPO, benchmark_prompts
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
+
+
+def tiny_config(target_dir, draft_dir, **runtime) -> EngineFileConfig:
+    return EngineFileConfig(
+        target={"path": str(target_dir), "dtype": "float64"},
+        draft={"path": str(draft_dir), "dtype": "float64"},
+        engine={"max_num_seqs": 8, "kv_cache_tokens": 8192, "scheduler": "full"},
+        runtime={"torch_threads": 1, **runtime},
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts(tiny_tokenizer):
+    texts = benchmark_prompts("humaneval", 6) + benchmark_prompts("gsm8k", 6)
+    return [tiny_tokenizer.encode(t)[:48] for t in texts]
+
+
+@pytest.fixture(scope="module")
+def in_process_greedy(tiny_target_dir, tiny_draft_dir, tiny_prompts):
+    engine = build_engine(tiny_config(tiny_target_dir, tiny_draft_dir), speculate=False)
+    return [r.token_ids for r in engine.generate(tiny_prompts, GREEDY)]
+
+
+def run_router(config, prompts, params=GREEDY):
+    router = Router(config)
+    try:
+        results = router.generate(prompts, params)
+        return router, [r.token_ids for r in results], router.transport_stats()
+    finally:
+        router.shutdown()
+
+
+@pytest.mark.parametrize("tp_size,pipeline", [(1, False), (2, False), (1, True), (2, True)])
+def test_ray_path_equals_in_process_greedy(ray_cluster, tiny_target_dir, tiny_draft_dir, tiny_prompts,
+                                           in_process_greedy, tp_size, pipeline):
+    config = tiny_config(tiny_target_dir, tiny_draft_dir, tp_size=tp_size, pipeline=pipeline)
+    router, outputs, _ = run_router(config, tiny_prompts)
+    assert outputs == in_process_greedy
+    assert router.metrics.num_drafts > 0, "the drafter actor must have drafted"
+
+
+def test_hidden_states_travel_by_the_collective_channel(ray_cluster, tiny_target_dir, tiny_draft_dir, tiny_prompts):
+    config = tiny_config(tiny_target_dir, tiny_draft_dir)
+    router = Router(config)
+    try:
+        results = router.generate(tiny_prompts, GREEDY)
+        stats = router.transport_stats()
+        width = len(router.feature_layers) * router.target.config.hidden_size
+    finally:
+        router.shutdown()
+    sent, received = stats["target"]["channel"], stats["drafter"]["channel"]
+    # every committed position's fused hidden states, less each request's final round (never drafted again)
+    committed = sum(len(r.prompt_ids) + len(r.token_ids) - 1 for r in results)
+    assert sent["rows"] == committed
+    assert sent["bytes"] == sent["rows"] * width * 8  # float64
+    assert 0 < received["rows"] <= sent["rows"] and received["bytes"] == received["rows"] * width * 8
+    # what the shard actors return to the router carries no hidden states
+    assert stats["object_store_feature_bytes"] == 0 and stats["target"]["channel_errors"] == 0
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_killing_the_drafter_mid_stream(ray_cluster, tiny_target_dir, tiny_draft_dir, tiny_prompts,
+                                        in_process_greedy, pipeline):
+    config = tiny_config(tiny_target_dir, tiny_draft_dir, pipeline=pipeline, drafter_timeout_s=20)
+    router = Router(config)
+    try:
+        ids = [router.add_request(p, GREEDY) for p in tiny_prompts[:8]]
+        for _ in range(3):
+            router.step()
+        assert all(router.requests[i].speculative for i in ids)
+        router.kill_drafter()
+        deadline = time.monotonic() + 120
+        while router.has_unfinished():
+            assert time.monotonic() < deadline, "requests hang after the drafter died"
+            router.step()
+        outputs = [router.result(i).token_ids for i in ids]
+        assert outputs == in_process_greedy[:8]
+        assert router.metrics.drafter_failures == 1
+        while router.drafter_restarts == 0:
+            assert time.monotonic() < deadline, "the drafter was not restarted"
+            router.step()
+            time.sleep(0.05)
+        drafts_before = router.metrics.num_drafts
+        again = router.generate(tiny_prompts[8:10], GREEDY)
+        assert [r.token_ids for r in again] == in_process_greedy[8:10]
+        assert router.metrics.num_drafts > drafts_before, "speculation must resume on the new drafter"
+        assert all(r.metrics.num_drafts > 0 for r in again)
+    finally:
+        router.shutdown()
+
+
+def test_placement_and_config_errors(ray_cluster, tiny_target_dir, tiny_draft_dir):
+    config = tiny_config(tiny_target_dir, tiny_draft_dir, tp_size=2, shard_cpus=0.5, drafter_cpus=0.5)
+    assert replica_bundles(config) == [{"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 0.5}]
+    with pytest.raises(ConfigError, match="tp_size"):
+        Router(tiny_config(tiny_target_dir, tiny_draft_dir, tp_size=3))  # 4 heads do not split in 3
+    with pytest.raises(ConfigError, match="target.path"):
+        Router(tiny_config(tiny_target_dir.parent / "missing", tiny_draft_dir))
+
+
+@pytest.mark.slow
+def test_embedded_default_ray_equals_in_process(ray_cluster):
+    prepare_target()
+    config = load_engine_config(REPO / "configs" / "embedded.yaml")
+    config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"torch_threads": 1})})
+    engine = build_engine(config)
+    texts = [t for name in ("humaneval", "mbpp", "gsm8k", "mt-bench") for t in benchmark_prompts(name, 5)]
+    prompts = [encode_prompt(engine.tokenizer, t, chat=True) for t in texts]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    expected = [r.token_ids for r in engine.generate(prompts, params)]
+    router, outputs, stats = run_router(config, prompts, params)
+    assert outputs == expected
+    assert router.metrics.num_accepted_tokens > 0 and stats["target"]["channel"]["rows"] > 0
