@@ -9,7 +9,9 @@ draft distributions go back to the router as an ordinary actor result.
 
 from __future__ import annotations
 
+import os
 import secrets
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -42,8 +44,7 @@ class DraftCall:
 class DraftWorker:
     def __init__(self, config: EngineFileConfig):
         runtime = config.runtime
-        if runtime.torch_threads:
-            torch.set_num_threads(runtime.torch_threads)
+        torch.set_num_threads(runtime.torch_threads or os.cpu_count() or 1)  # Ray's default is 1 per CPU reserved
         use_gpu = runtime.drafter_gpus > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
         self.config = config
@@ -56,6 +57,7 @@ class DraftWorker:
         self.generators: dict[int, torch.Generator] = {}
         self.channel: FeatureChannel | None = None
         self.feature_dtype = DTYPES[config.target.dtype]
+        self.draft_seconds = 0.0  # compute time of drafting (excluding waiting for features)
 
     def join_channel(self, address: tuple[str, int]) -> None:
         backend = resolve_backend(self.config.runtime.backend, self.device)
@@ -85,14 +87,16 @@ class DraftWorker:
                                  torch.zeros(0, self.drafter.block_size))
         sampling = SamplingTensors(call.temperature, call.top_p, call.top_k,
                                    [self.generators[i] for i in call.inputs.request_ids])
+        start = time.perf_counter()
         proposal = self.drafter.draft(call.inputs, sampling)
+        self.draft_seconds += time.perf_counter() - start
         greedy = bool(sampling.greedy.all())
         return DraftProposal(proposal.tokens.cpu(), None if greedy else proposal.draft_probs.cpu().to_sparse(),
                              proposal.confidences.cpu())
 
     def stats(self) -> dict:
         counters = self.channel.counters if self.channel else TransportCounters()
-        return {"channel": counters.as_dict(), "sequences": len(self.generators)}
+        return {"channel": counters.as_dict(), "sequences": len(self.generators), "draft_seconds": self.draft_seconds}
 
     def ping(self) -> bool:
         return True

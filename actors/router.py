@@ -96,7 +96,6 @@ class Router(Engine):
             self.shutdown()
             raise
         self.feature_layers = layers
-        self.timings["transport"] = 0.0
 
     # ------------------------------------------------------------------ actors
     def _start_actors(self, full_config, layers: tuple[int, ...]) -> tuple[RemoteTarget, RemoteDrafter | None]:
@@ -211,6 +210,7 @@ class Router(Engine):
             self._submit_draft(m)
         outputs = self._emit(prefill + decode)
         self.timings["step"] += time.perf_counter() - started
+        self.num_steps += 1
         return outputs
 
     def _submit_draft(self, m: int) -> None:

@@ -9,6 +9,9 @@ positions' fused hidden states straight to the drafter over the feature channel.
 
 from __future__ import annotations
 
+import os
+import time
+
 import ray
 import torch
 
@@ -32,8 +35,7 @@ from dspark.tensor_parallel import shard_target
 class TargetShard:
     def __init__(self, config: EngineFileConfig, rank: int, feature_layers: tuple[int, ...]):
         runtime = config.runtime
-        if runtime.torch_threads:
-            torch.set_num_threads(runtime.torch_threads)
+        torch.set_num_threads(runtime.torch_threads or os.cpu_count() or 1)  # Ray's default is 1 per CPU reserved
         self.config, self.rank, self.world = config, rank, runtime.tp_size
         self.feature_layers = feature_layers
         use_gpu = runtime.shard_gpus > 0 and torch.cuda.is_available()
@@ -46,6 +48,7 @@ class TargetShard:
         self._tp_host = StoreHost(self.world, runtime.collective_timeout_s) if rank == 0 and self.world > 1 else None
         self._channel_host: StoreHost | None = None
         self.channel_errors = 0
+        self.run_seconds = 0.0  # compute time of verify passes (incl. the collective all-reduces)
 
     # ---------------------------------------------------------------- set-up
     def tp_address(self) -> tuple[str, int] | None:
@@ -78,7 +81,9 @@ class TargetShard:
 
     # ---------------------------------------------------------------- work
     def run(self, batch: VerifyBatch) -> VerifyOutput | None:
+        start = time.perf_counter()
         output = self.runner.run(batch.to(self.device))
+        self.run_seconds += time.perf_counter() - start
         if self.rank != 0:
             return None
         if self.channel is not None and bool(batch.want_features.any()):
@@ -96,7 +101,8 @@ class TargetShard:
 
     def stats(self) -> dict:
         counters = self.channel.counters if self.channel else TransportCounters()
-        return {"rank": self.rank, "channel": counters.as_dict(), "channel_errors": self.channel_errors}
+        return {"rank": self.rank, "channel": counters.as_dict(), "channel_errors": self.channel_errors,
+                "run_seconds": self.run_seconds}
 
     def ping(self) -> bool:
         return True

@@ -78,6 +78,7 @@ class Engine:
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
         self.metrics = SpecMetrics()
+        self.num_steps = 0
         self.timings = {"draft": 0.0, "schedule": 0.0, "verify": 0.0, "step": 0.0}  # seconds, cumulative
         self._ids = itertools.count()
         self.profile = profile
@@ -158,6 +159,7 @@ class Engine:
             self._commit(round_, output)
         outputs = self._emit(prefill + decode)
         self.timings["step"] += time.perf_counter() - started
+        self.num_steps += 1
         return outputs
 
     def _schedule(self) -> tuple[list[Request], list[Request]]:

@@ -74,7 +74,8 @@ class RuntimeSpec(_Strict):
     shard_gpus: float = Field(0, ge=0, description="GPUs per target shard actor.")
     drafter_cpus: float = Field(0.5, ge=0, description="CPUs reserved for the drafter actor.")
     drafter_gpus: float = Field(0, ge=0, description="GPUs for the drafter actor.")
-    torch_threads: int = Field(0, ge=0, description="torch intra-op threads per actor (0: leave torch's default).")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op threads per actor (0: one per CPU core of "
+                                                    "the node).")
     drafter_timeout_s: float = Field(30.0, gt=0, description="A draft call slower than this counts as a drafter "
                                                              "failure: the router decodes without it and restarts it.")
     collective_timeout_s: float = Field(60.0, gt=0, description="Timeout of collective operations and rendezvous.")
