@@ -44,7 +44,7 @@ class DraftCall:
 class DraftWorker:
     def __init__(self, config: EngineFileConfig):
         runtime = config.runtime
-        torch.set_num_threads(runtime.torch_threads or os.cpu_count() or 1)  # Ray's default is 1 per CPU reserved
+        torch.set_num_threads(runtime.drafter_threads or os.cpu_count() or 1)  # Ray's default is 1 per CPU reserved
         use_gpu = runtime.drafter_gpus > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
         self.config = config

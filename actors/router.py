@@ -101,7 +101,7 @@ class Router(Engine):
     def _start_actors(self, full_config, layers: tuple[int, ...]) -> tuple[RemoteTarget, RemoteDrafter | None]:
         config, rt = self.file_config, self.file_config.runtime
         self.shards = [
-            TargetShard.options(num_cpus=rt.shard_cpus, num_gpus=rt.shard_gpus,
+            TargetShard.options(num_cpus=rt.shard_cpus, num_gpus=rt.shard_gpus, runtime_env=self._env(),
                                 scheduling_strategy=self._bundle(rank)).remote(config, rank, layers)
             for rank in range(rt.tp_size)
         ]
@@ -122,8 +122,11 @@ class Router(Engine):
 
     def _new_drafter_actor(self):
         rt = self.file_config.runtime
-        return DraftWorker.options(num_cpus=rt.drafter_cpus, num_gpus=rt.drafter_gpus,
+        return DraftWorker.options(num_cpus=rt.drafter_cpus, num_gpus=rt.drafter_gpus, runtime_env=self._env(),
                                    scheduling_strategy=self._bundle(rt.tp_size)).remote(self.file_config)
+
+    def _env(self) -> dict:
+        return {"env_vars": {"OMP_WAIT_POLICY": self.file_config.runtime.omp_wait_policy.upper()}}
 
     def _connect(self, actor) -> None:
         """Open a feature channel between target shard 0 and a drafter actor."""

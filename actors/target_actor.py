@@ -35,7 +35,7 @@ from dspark.tensor_parallel import shard_target
 class TargetShard:
     def __init__(self, config: EngineFileConfig, rank: int, feature_layers: tuple[int, ...]):
         runtime = config.runtime
-        torch.set_num_threads(runtime.torch_threads or os.cpu_count() or 1)  # Ray's default is 1 per CPU reserved
+        torch.set_num_threads(runtime.shard_threads or os.cpu_count() or 1)  # Ray's default is 1 per CPU reserved
         self.config, self.rank, self.world = config, rank, runtime.tp_size
         self.feature_layers = feature_layers
         use_gpu = runtime.shard_gpus > 0 and torch.cuda.is_available()

@@ -117,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, pipeline in variants.items():
         runner, router = engine, None
         if pipeline is not None:
-            runtime = config.runtime.model_copy(update={"pipeline": pipeline})
+            # pipelined actors compute at the same time: split the cores between them instead of oversubscribing
+            cores = os.cpu_count() or 2
+            threads = {"shard_threads": max(cores // 2, 1), "drafter_threads": max(cores // 2, 1)} if pipeline else {}
+            runtime = config.runtime.model_copy(update={"pipeline": pipeline, **threads})
             router = runner = Router(config.model_copy(update={"runtime": runtime}))
         try:
             for level in levels:

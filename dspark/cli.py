@@ -92,6 +92,34 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client(args) -> int:
+    import os
+
+    from dspark.client import ClientError, GrpcClient, HttpClient
+
+    api_key = args.api_key or os.environ.get("DSPARK_API_KEY")
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+              "seed": args.seed, "stop": args.stop}
+    try:
+        client = GrpcClient(args.grpc, api_key) if args.grpc else HttpClient(args.http, api_key)
+        if args.stream:
+            for piece in client.stream(args.prompt, chat=not args.no_chat, **params):
+                print(piece, end="", flush=True)
+            print()
+        else:
+            out = client.complete(args.prompt, chat=not args.no_chat, **params)
+            print(out.text)
+            print(f"[{out.finish_reason}; {out.prompt_tokens} prompt + {out.completion_tokens} completion tokens; "
+                  f"acceptance length {out.acceptance_length:.2f}]", file=sys.stderr)
+    except ClientError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"error: cannot reach the server: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,6 +163,20 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--out", default=None, help="checkpoint directory (default ~/.cache/dspark/...)")
     prep.add_argument("--force", action="store_true", help="convert again even if already prepared")
     prep.set_defaults(func=_prepare)
+    cl = sub.add_parser("client", help="call a running server over HTTP (OpenAI API) or gRPC (dspark.v1)")
+    where = cl.add_mutually_exclusive_group(required=True)
+    where.add_argument("--http", help="base URL, e.g. http://localhost:8000")
+    where.add_argument("--grpc", help="host:port, e.g. localhost:9000")
+    cl.add_argument("prompt")
+    cl.add_argument("--no-chat", action="store_true", help="plain completion instead of one chat turn")
+    cl.add_argument("--stream", action="store_true")
+    cl.add_argument("--max-tokens", type=int, default=None)
+    cl.add_argument("--temperature", type=float, default=None)
+    cl.add_argument("--top-p", type=float, default=None)
+    cl.add_argument("--seed", type=int, default=None)
+    cl.add_argument("--stop", action="append", help="stop string (repeatable)")
+    cl.add_argument("--api-key", default=None, help="default: $DSPARK_API_KEY")
+    cl.set_defaults(func=_client)
     return parser
 
 

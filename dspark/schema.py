@@ -74,11 +74,35 @@ class RuntimeSpec(_Strict):
     shard_gpus: float = Field(0, ge=0, description="GPUs per target shard actor.")
     drafter_cpus: float = Field(0.5, ge=0, description="CPUs reserved for the drafter actor.")
     drafter_gpus: float = Field(0, ge=0, description="GPUs for the drafter actor.")
-    torch_threads: int = Field(0, ge=0, description="torch intra-op threads per actor (0: one per CPU core of "
-                                                    "the node).")
+    shard_threads: int = Field(0, ge=0, description="torch intra-op threads per target shard actor (0: one per "
+                                                    "CPU core of the node).")
+    drafter_threads: int = Field(0, ge=0, description="torch intra-op threads of the drafter actor (0: one per CPU "
+                                                      "core of the node). With pipelining on a CPU-only node, give "
+                                                      "the shards and the drafter disjoint shares of the cores.")
+    omp_wait_policy: Literal["passive", "active"] = Field(
+        "passive", description="OpenMP wait policy of the actors' torch threads: 'passive' threads sleep between "
+                               "kernels instead of spinning, so actors sharing CPU cores do not starve each other.")
     drafter_timeout_s: float = Field(30.0, gt=0, description="A draft call slower than this counts as a drafter "
                                                              "failure: the router decodes without it and restarts it.")
     collective_timeout_s: float = Field(60.0, gt=0, description="Timeout of collective operations and rendezvous.")
+
+
+class ServingSpec(_Strict):
+    """The HTTP / gRPC front door of each replica."""
+
+    api_key_env: str = Field("DSPARK_API_KEY", description="Environment variable holding the API key; when it "
+                                                           "is set (or api_key_file is), every API call needs it.")
+    api_key_file: str | None = Field(None, description="File holding the API key (e.g. a mounted Kubernetes "
+                                                       "secret); wins over api_key_env.")
+    max_prompt_tokens: int = Field(1536, ge=1, description="Longest prompt accepted, in tokens (413 beyond).")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens of requests that do not set it.")
+    max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens a request may ask for.")
+    max_concurrent_requests: int = Field(16, ge=1, description="Requests in flight per replica (decoding or "
+                                                               "waiting for a batch slot).")
+    max_queued_requests: int = Field(32, ge=0, description="Further requests a replica holds before refusing "
+                                                           "with 429 / RESOURCE_EXHAUSTED.")
+    num_replicas: int = Field(1, ge=1, description="Serving replicas (each: router + target shards + drafter).")
+    router_cpus: float = Field(0.5, ge=0, description="CPUs reserved for each replica's router / ingress process.")
 
 
 class EngineFileConfig(_Strict):
@@ -89,6 +113,7 @@ class EngineFileConfig(_Strict):
     draft: DraftSpec = Field(default_factory=DraftSpec, description="The DSpark draft head.")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings.")
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, description="Distributed runtime (Ray actors).")
+    serving: ServingSpec = Field(default_factory=ServingSpec, description="HTTP / gRPC serving.")
     base_dir: str = Field("", exclude=True, description="Directory relative paths resolve against (set by "
                                                         "the loader, not written in YAML).")
 

@@ -22,7 +22,7 @@ def tiny_config(target_dir, draft_dir, **runtime) -> EngineFileConfig:
         target={"path": str(target_dir), "dtype": "float64"},
         draft={"path": str(draft_dir), "dtype": "float64"},
         engine={"max_num_seqs": 8, "kv_cache_tokens": 8192, "scheduler": "full"},
-        runtime={"torch_threads": 1, **runtime},
+        runtime={"shard_threads": 1, "drafter_threads": 1, **runtime},
     )
 
 
@@ -119,7 +119,6 @@ def test_placement_and_config_errors(ray_cluster, tiny_target_dir, tiny_draft_di
 def test_embedded_default_ray_equals_in_process(ray_cluster):
     prepare_target()
     config = load_engine_config(REPO / "configs" / "embedded.yaml")
-    config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"torch_threads": 1})})
     engine = build_engine(config)
     texts = [t for name in ("humaneval", "mbpp", "gsm8k", "mt-bench") for t in benchmark_prompts(name, 5)]
     prompts = [encode_prompt(engine.tokenizer, t, chat=True) for t in texts]

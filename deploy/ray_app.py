@@ -1,0 +1,64 @@
+"""The Ray Serve application builder: a validated config in, a Serve application out.
+
+    serve run deploy.ray_app:app                      # configs/embedded.yaml (or $DSPARK_CONFIG), HTTP :8000
+    serve run deploy.ray_app:build_app config=PATH    # another engine config
+    serve run configs/serve.yaml                      # the same app, HTTP :8000 and gRPC :9000
+
+Each replica reserves one placement group: bundle 0 for the ingress/router process, then one
+bundle per target shard and one for the drafter (``STRICT_PACK`` by default: one node).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray.serve import Application
+
+from actors.router import replica_bundles
+from deploy.server import DSparkServer
+from dspark.config import ConfigError
+from dspark.schema import EngineFileConfig, format_validation_error, load_engine_config
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "configs" / "embedded.yaml"
+
+
+class AppArgs(BaseModel):
+    """Arguments of ``build_app`` (``serve run deploy.ray_app:build_app key=value ...``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: str = Field(default_factory=lambda: os.environ.get("DSPARK_CONFIG", str(DEFAULT_CONFIG)),
+                        description="Engine config YAML (default: $DSPARK_CONFIG, else configs/embedded.yaml); "
+                                    "relative paths are relative to the repository.")
+
+
+def deployment_options(config: EngineFileConfig) -> dict:
+    serving, runtime = config.serving, config.runtime
+    return {
+        "name": "DSparkServer",
+        "num_replicas": serving.num_replicas,
+        "ray_actor_options": {"num_cpus": serving.router_cpus},
+        "placement_group_bundles": [{"CPU": serving.router_cpus}, *replica_bundles(config)],
+        "placement_group_strategy": runtime.placement_strategy,
+        # the replica answers 429 itself past its bounds: let those requests reach it
+        "max_ongoing_requests": serving.max_concurrent_requests + serving.max_queued_requests + 8,
+        "health_check_period_s": 5,
+        "graceful_shutdown_timeout_s": 5,
+        "graceful_shutdown_wait_loop_s": 0.5,
+    }
+
+
+def build_app(args: dict | None = None) -> Application:
+    try:
+        parsed = AppArgs.model_validate(dict(args or {}))
+    except ValidationError as exc:
+        raise ConfigError("build_app", format_validation_error(exc)) from None
+    path = Path(parsed.config)
+    config = load_engine_config(path if path.is_absolute() or path.exists() else REPO / path)
+    return DSparkServer.options(**deployment_options(config)).bind(config)
+
+
+app = build_app()
