@@ -17,18 +17,17 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from grpc_health.v1 import health_pb2
-from pydantic import ValidationError
 from ray import serve
 from ray.util import get_current_placement_group
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.router import Router
 from actors.serving_loop import Event, Overloaded, ServingLoop, Unavailable
-from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest, SpecStats, _Request
+from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, SpecStats, _Request
 from deploy.text_stream import TextStream
 from dspark.config import ConfigError, SamplingParams
 from dspark.prepare import default_target_dir, prepare_target
@@ -70,12 +69,6 @@ def read_api_key(spec: ServingSpec) -> str | None:
     return os.environ.get(spec.api_key_env) or None
 
 
-def _validation_error(exc: ValidationError) -> ApiError:
-    item = exc.errors()[0]
-    param = ".".join(str(p) for p in item["loc"]) or None
-    return ApiError(400, f"{param}: {item['msg']}" if param else item["msg"], param=param)
-
-
 def _usage(prompt_tokens: int, final: Event) -> dict:
     completion = final.metrics.completion_tokens
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
@@ -90,8 +83,30 @@ def _pb_spec(final: Event) -> pb.SpecStats:
     return pb.SpecStats(**SpecStats.from_metrics(final.metrics).model_dump())
 
 
+def check_key(expected: str | None, presented: str | None) -> None:
+    if expected is None:
+        return
+    token = (presented or "").removeprefix("Bearer ").strip()
+    if not token or not hmac.compare_digest(token.encode(), expected.encode()):
+        raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+
+
+async def authorize(request: Request) -> None:
+    """Runs before the body is parsed: an unauthenticated caller learns nothing about validation."""
+    check_key(request.app.state.api_key, request.headers.get("authorization"))
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+
+
+ERROR_RESPONSES = {code: {"model": ErrorResponse, "description": text} for code, text in (
+    (400, "invalid request"), (401, "missing or invalid API key"), (404, "unknown model"),
+    (413, "prompt or body too long"), (429, "replica at capacity; see Retry-After"),
+    (503, "replica unavailable; retry"))}
+
 api = FastAPI(title="DSpark serving API", version="1",
               description="OpenAI-compatible completions with DSpark speculative decoding.")
+api.state.api_key = None
 
 
 @api.exception_handler(ApiError)
@@ -114,8 +129,11 @@ async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
 @api.exception_handler(RequestValidationError)
 async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
     item = exc.errors()[0]
+    if item.get("type") == "json_invalid":
+        return ApiError(400, "request body is not valid JSON").response()
     param = ".".join(str(p) for p in item["loc"][1:]) or None
-    return ApiError(400, item["msg"], param=param).response()
+    message = item["msg"]
+    return ApiError(400, f"{param}: {message}" if param else message, param=param).response()
 
 
 @serve.deployment
@@ -124,6 +142,7 @@ class DSparkServer:
     def __init__(self, config: EngineFileConfig):
         self.config, self.spec = config, config.serving
         self.api_key = read_api_key(config.serving)
+        api.state.api_key = self.api_key
         if config.resolve(config.target.path) == default_target_dir():
             prepare_target()  # the embedded default converts itself on first start (no-op when cached)
         placement = get_current_placement_group()
@@ -144,12 +163,7 @@ class DSparkServer:
 
     # ------------------------------------------------------------------ shared
     def _authorize(self, presented: str | None) -> None:
-        if self.api_key is None:
-            return
-        token = (presented or "").removeprefix("Bearer ").strip()
-        if not token or not hmac.compare_digest(token.encode(), self.api_key.encode()):
-            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
+        check_key(self.api_key, presented)
 
     def _check_model(self, model: str) -> None:
         if model != self.config.name:
@@ -223,49 +237,31 @@ class DSparkServer:
                 self.loop.cancel(request_id)
 
     # ------------------------------------------------------------------ HTTP
-    async def _parse(self, request: Request, model_cls: type[_Request]) -> _Request:
-        self._authorize(request.headers.get("authorization"))
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object")
-        try:
-            parsed = model_cls.model_validate(body)
-        except ValidationError as exc:
-            raise _validation_error(exc) from None
-        self._check_model(parsed.model)
-        return parsed
-
     @api.get("/health", summary="Liveness and readiness (no authentication)")
     async def health(self) -> dict:
-        return {"status": "ok", "in_flight": self.loop.in_flight}
+        alloc = self.router.allocator
+        return {"status": "ok", "in_flight": self.loop.in_flight, "kv_free_blocks": alloc.num_free_blocks,
+                "kv_total_blocks": alloc.usable_blocks}
 
-    @api.get("/v1/models", summary="The served model")
-    async def models(self, request: Request) -> dict:
-        self._authorize(request.headers.get("authorization"))
+    @api.get("/v1/models", summary="The served model", dependencies=[Depends(authorize)])
+    async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.config.name, "object": "model", "created": self.created,
                                             "owned_by": "dspark"}]}
 
-    @api.post("/v1/completions", summary="Text completion (OpenAI-compatible)")
-    async def completions(self, request: Request):
-        body: CompletionRequest = await self._parse(request, CompletionRequest)
+    @api.post("/v1/completions", summary="Text completion (OpenAI-compatible)", dependencies=[Depends(authorize)],
+              responses=ERROR_RESPONSES)
+    async def completions(self, body: CompletionRequest):
+        self._check_model(body.model)
         if isinstance(body.prompt, str):
             prompt_ids = self._check_prompt(list(self.tokenizer.encode(body.prompt)))
         else:
             prompt_ids = self._check_prompt(body.prompt)
         return await self._respond(body, prompt_ids, chat=False)
 
-    @api.post("/v1/chat/completions", summary="Chat completion (OpenAI-compatible, the target's chat template)")
-    async def chat_completions(self, request: Request):
-        body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
+    @api.post("/v1/chat/completions", summary="Chat completion (OpenAI-compatible, the target's chat template)",
+              dependencies=[Depends(authorize)], responses=ERROR_RESPONSES)
+    async def chat_completions(self, body: ChatCompletionRequest):
+        self._check_model(body.model)
         prompt_ids = self._chat_prompt([{"role": m.role, "content": m.content} for m in body.messages])
         return await self._respond(body, prompt_ids, chat=True)
 
