@@ -171,7 +171,7 @@ class DSparkServer:
                            param="model", code="model_not_found")
 
     def _params(self, max_tokens: int | None, temperature, top_p, top_k, seed, stop) -> SamplingParams:
-        max_tokens = max_tokens or self.spec.default_max_tokens
+        max_tokens = max_tokens or min(self.spec.default_max_tokens, self.spec.max_tokens_limit)
         if max_tokens > self.spec.max_tokens_limit:
             raise ApiError(400, f"max_tokens: {max_tokens} exceeds this server's limit of "
                                 f"{self.spec.max_tokens_limit}", param="max_tokens")

@@ -1,0 +1,243 @@
+"""The served application on real Ray Serve: official openai client, gRPC stub, auth, limits, cancellation."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import openai
+import pytest
+import requests
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dspark.config import SamplingParams
+from dspark.loader import build_engine, encode_prompt
+from dspark.prepare import prepare_target
+from dspark.schema import load_engine_config
+from dspark.v1 import serving_pb2 as pb
+from dspark.v1 import serving_pb2_grpc
+
+from conftest import REPO, benchmark_prompts
+
+pytestmark = pytest.mark.slow
+KEY = "test-key-123"
+HTTP = "http://127.0.0.1:8000"
+GRPC = "127.0.0.1:9000"
+MODEL = "smollm2-135m-instruct"
+MAX_CONCURRENT, MAX_QUEUED = 4, 2
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, tmp_path_factory):
+    """The embedded default behind Serve's HTTP (8000) and gRPC (9000) proxies, with an API key."""
+    from ray import serve
+
+    from deploy.ray_app import build_app
+
+    prepare_target()
+    key_file = tmp_path_factory.mktemp("secret") / "api-key"
+    key_file.write_text(KEY + "\n")
+    base = load_engine_config(REPO / "configs" / "embedded.yaml")
+    config_dir = tmp_path_factory.mktemp("config")
+    data = base.model_dump(exclude={"base_dir"})
+    data["draft"]["path"] = str(base.resolve(base.draft.path))
+    data["serving"].update(api_key_file=str(key_file), max_concurrent_requests=MAX_CONCURRENT,
+                           max_queued_requests=MAX_QUEUED, max_tokens_limit=64, max_prompt_tokens=512)
+    data["engine"].update(max_num_seqs=MAX_CONCURRENT)
+    path = config_dir / "served.yaml"
+    path.write_text(json.dumps(data))
+    serve.start(http_options={"host": "127.0.0.1", "port": 8000},
+                grpc_options={"port": 9000, "grpc_servicer_functions": [
+                    "dspark.v1.serving_pb2_grpc.add_DSparkServicer_to_server",
+                    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]})
+    serve.run(build_app({"config": str(path)}), name="dspark", route_prefix="/")
+    yield load_engine_config(path)
+    serve.delete("dspark")
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{HTTP}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+    return build_engine(served)
+
+
+@pytest.fixture(scope="module")
+def stub(served):
+    channel = grpc.insecure_channel(GRPC)
+    yield serving_pb2_grpc.DSparkStub(channel), channel
+    channel.close()
+
+
+AUTH = (("application", "dspark"), ("authorization", f"Bearer {KEY}"))
+
+
+def prompts(n: int) -> list[str]:
+    return benchmark_prompts("gsm8k", n // 2) + benchmark_prompts("humaneval", n - n // 2)
+
+
+def reference(engine, text: str, chat: bool, max_tokens: int) -> list[int]:
+    prompt = encode_prompt(engine.tokenizer, text, chat=chat)
+    return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0].token_ids
+
+
+def test_openai_client_greedy_equals_in_process(client, engine):
+    for text in prompts(2):
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                              max_tokens=24, temperature=0)
+        expected = reference(engine, text, chat=True, max_tokens=24)
+        assert chat.choices[0].message.content == engine.tokenizer.decode(expected, skip_special_tokens=True)
+        assert chat.usage.completion_tokens == len(expected)
+        spec = chat.model_extra["spec"]
+        assert spec["verify_steps"] >= 1 and spec["acceptance_length"] >= 1.0
+        completion = client.completions.create(model=MODEL, prompt=text, max_tokens=16, temperature=0)
+        expected = reference(engine, text, chat=False, max_tokens=16)
+        assert completion.choices[0].text == engine.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_openai_streaming_equals_non_streaming(client):
+    text = prompts(1)[0]
+    whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                           max_tokens=24, temperature=0).choices[0].message.content
+    pieces, finish = [], None
+    for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                                max_tokens=24, temperature=0, stream=True):
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole and finish == "length"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=text, max_tokens=12, temperature=0, stream=True) if c.choices)
+    assert streamed == client.completions.create(model=MODEL, prompt=text, max_tokens=12,
+                                                 temperature=0).choices[0].text
+
+
+def test_sse_wire_format_ends_with_done(served):
+    response = requests.post(f"{HTTP}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, stream=True,
+                             json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": True, "seed": 1})
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    lines = [line for line in response.iter_lines(decode_unicode=True) if line]
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][6:])
+    assert last["choices"][0]["finish_reason"] == "length" and last["usage"]["completion_tokens"] == 4
+
+
+def test_grpc_unary_and_streaming_equal_in_process(stub, engine):
+    dspark, channel = stub
+    text = prompts(1)[0]
+    expected = reference(engine, text, chat=True, max_tokens=20)
+    request = pb.GenerateRequest(prompt=text, chat=True, max_tokens=20, temperature=0.0)
+    unary = dspark.Generate(request, metadata=AUTH, timeout=120)
+    assert list(unary.token_ids) == expected and unary.finish_reason == "length"
+    assert unary.usage.completion_tokens == 20 and unary.spec.verify_steps >= 1
+    chunks = list(dspark.GenerateStream(request, metadata=AUTH, timeout=120))
+    assert [t for c in chunks for t in c.token_ids] == expected
+    assert "".join(c.text for c in chunks) == unary.text and chunks[-1].finish_reason == "length"
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                       metadata=(("application", "dspark"),), timeout=30)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_grpc_bad_input_is_invalid_argument(stub):
+    dspark, _ = stub
+    for request in (pb.GenerateRequest(prompt="", max_tokens=4),
+                    pb.GenerateRequest(prompt="hi", max_tokens=1000),
+                    pb.GenerateRequest(prompt="hi", max_tokens=4, temperature=-1.0),
+                    pb.GenerateRequest(prompt_token_ids=[1, 2, 10**9], max_tokens=4)):
+        with pytest.raises(grpc.RpcError) as err:
+            dspark.Generate(request, metadata=AUTH, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert err.value.details()
+
+
+def test_authentication_on_both_protocols(served, stub):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY + "x"}):
+        response = requests.post(f"{HTTP}/v1/completions", json=body, headers=headers, timeout=30)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert requests.get(f"{HTTP}/v1/models", timeout=30).status_code == 401
+    assert requests.get(f"{HTTP}/health", timeout=30).status_code == 200  # stays open
+    ok = requests.post(f"{HTTP}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert ok.status_code == 200
+    dspark, _ = stub
+    for metadata in ((("application", "dspark"),), (("application", "dspark"), ("authorization", "Bearer no"))):
+        with pytest.raises(grpc.RpcError) as err:
+            dspark.Generate(pb.GenerateRequest(prompt="Hi", max_tokens=2), metadata=metadata, timeout=60)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert dspark.Generate(pb.GenerateRequest(prompt="Hi", max_tokens=2), metadata=AUTH, timeout=60).token_ids
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": MODEL, "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "Hi", "max_tokens": 65}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "Hi", "temperature": 5}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "Hi", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "Hi", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "Hi", "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "Hi", "unknown_field": 1}, 400, "unknown_field"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [5, -1]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "word " * 600}, 413, "prompt"),
+    ({"model": "gpt-4", "prompt": "Hi"}, 404, "model"),
+    ({"prompt": "Hi"}, 400, "model"),
+])
+def test_bad_requests_get_openai_errors(served, body, status, param):
+    response = requests.post(f"{HTTP}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                             timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+def test_malformed_body_and_unknown_route(served):
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    response = requests.post(f"{HTTP}/v1/completions", data="{not json", headers=auth, timeout=30)
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    assert requests.get(f"{HTTP}/v1/nothing", headers=auth, timeout=30).status_code == 404
+
+
+def test_overload_gets_429_with_retry_after(served):
+    body = {"model": MODEL, "prompt": "Count from one to one hundred:", "max_tokens": 64, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    statuses, lock = [], threading.Lock()
+
+    def call():
+        with requests.post(f"{HTTP}/v1/completions", json=body, headers=headers, stream=True, timeout=120) as r:
+            with lock:
+                statuses.append((r.status_code, r.headers.get("Retry-After")))
+            for _ in r.iter_lines():
+                pass
+
+    threads = [threading.Thread(target=call) for _ in range(MAX_CONCURRENT + MAX_QUEUED + 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    refused = [s for s in statuses if s[0] == 429]
+    assert refused and all(int(retry) >= 1 for _, retry in refused)
+    assert sum(s[0] == 200 for s in statuses) >= MAX_CONCURRENT
+    assert {s[0] for s in statuses} <= {200, 429}
+
+
+def test_cancelled_streams_free_the_kv_cache(served):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    start = requests.get(f"{HTTP}/health", timeout=30).json()
+    assert start["in_flight"] == 0
+    body = {"model": MODEL, "prompt": "Tell me a long story about a dragon.", "max_tokens": 64, "stream": True}
+    for _ in range(50):
+        response = requests.post(f"{HTTP}/v1/completions", json=body, headers=headers, stream=True, timeout=60)
+        assert response.status_code == 200
+        next(response.iter_lines())  # the first chunk arrived: the request holds KV blocks
+        response.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 120
+    while True:
+        health = requests.get(f"{HTTP}/health", timeout=30).json()
+        if health["in_flight"] == 0 and health["kv_free_blocks"] == start["kv_free_blocks"]:
+            break
+        assert time.monotonic() < deadline, f"KV cache not freed: {health} vs {start}"
+        time.sleep(0.5)
