@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint prepare clean
+.PHONY: install serve test lint prepare proto bench-ray clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,10 +21,18 @@ install: $(STAMP)
 prepare: $(STAMP)
 	$(BIN)/dspark prepare
 
-# Until the Ray Serve app lands, `make serve` prepares the embedded default and runs it in-process.
+# The embedded default on Ray Serve: deploy.ray_app:app, HTTP on :8000 and gRPC on :9000 (Ctrl-C stops it).
 serve: prepare
-	$(BIN)/dspark generate --config configs/embedded.yaml --chat --max-tokens 96 \
-		--prompt "Explain in two sentences why the sky is blue."
+	RAY_AUTH_MODE=disabled $(BIN)/serve run configs/serve.yaml
+
+# Regenerate the gRPC stubs of dspark/v1/serving.proto (committed; run after editing the proto).
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. dspark/v1/serving.proto
+
+# The Ray path against the in-process engine, and the feature-transport comparison.
+bench-ray: prepare
+	RAY_AUTH_MODE=disabled $(BIN)/python -m benchmarks.transport
+	RAY_AUTH_MODE=disabled $(BIN)/python -m benchmarks.ray_runtime --out ray_runtime.json --plot ray_runtime.png
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -6,12 +6,13 @@ scheduling, commit, stop conditions, emission: the same code) driving remote exe
 It runs wherever its owner runs: in a driver, in a Ray Serve replica, or as ``RouterActor``.
 The actors it creates are owned by it and die with it (fate-sharing).
 
-Step (``pipeline: false``): schedule -> draft -> schedule the verified prefix -> verify ->
-commit -> emit, one draft and one verify call in flight at a time.
-
-Step (``pipeline: true``): the running requests are split into two micro-batches; while the
-target verifies one, the drafter drafts the other, so neither actor waits for the other
-(the overlap the disaggregated design exists for). Greedy outputs are the same either way.
+Step: schedule -> (await the draft) -> schedule the verified prefix -> verify -> commit ->
+submit the next draft -> emit. The next draft is submitted as soon as a round commits, so the
+draft call's Ray overhead overlaps the router's own bookkeeping. With ``pipeline: true`` the
+running requests are split into two micro-batches: while the target verifies one, the drafter
+drafts the other, so neither actor waits for the other (the overlap the disaggregated design
+exists for; it pays when target and drafter do not share the same cores). Greedy outputs are
+the same either way.
 
 Drafter failure: a draft call that raises or exceeds ``drafter_timeout_s`` turns the affected
 requests into plain target decoding (still exactly the target's output); the router replaces
@@ -168,19 +169,20 @@ class Router(Engine):
     def step(self) -> list[RequestOutput]:
         if self.drafter is not None and not self.drafter.available:
             self._recover_drafter()
-        if not self.file_config.runtime.pipeline or self.drafter is None:
+        if self.drafter is None:
             return super().step()
-        return self._pipelined_step()
+        return self._overlapped_step()
 
     def _schedule(self):
         prefill, decode = super()._schedule()
-        for request in prefill:  # alternate new requests between the two micro-batches
-            request.microbatch = self._admitted % 2
+        groups = 2 if self.file_config.runtime.pipeline else 1
+        for request in prefill:  # alternate new requests between the micro-batches
+            request.microbatch = self._admitted % groups
             self._admitted += 1
         return prefill, decode
 
-    def _pipelined_step(self) -> list[RequestOutput]:
-        """Verify micro-batch m while the drafter drafts micro-batch 1 - m."""
+    def _overlapped_step(self) -> list[RequestOutput]:
+        """Verify micro-batch m while the drafter drafts micro-batch 1 - m (or the next round of m)."""
         started = time.perf_counter()
         prefill, decode = self._schedule()
         speculative = [r for r in decode if r.speculative and self.drafter.available]

@@ -119,8 +119,8 @@ class RemoteTarget:
         self.returned_feature_bytes = 0  # hidden-state bytes that came back through Ray (0 by design)
 
     def run(self, batch: VerifyBatch) -> VerifyOutput:
-        ref = ray.put(batch)
-        output = ray.get([shard.run.remote(ref) for shard in self.shards])[0]
+        arg = ray.put(batch) if len(self.shards) > 1 else batch  # one serialisation for all shards
+        output = ray.get([shard.run.remote(arg) for shard in self.shards])[0]
         if output.features is not None:
             self.returned_feature_bytes += output.features.numel() * output.features.element_size()
         return output

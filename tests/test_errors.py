@@ -60,6 +60,16 @@ def test_every_config_in_the_repo_validates():
     for path in configs:
         if path.name.startswith("train-"):
             TrainFileConfig(**read_yaml(path))
+        elif path.name.startswith("serve"):  # a Ray Serve config file: Serve's own schema, and the app builds
+            from ray.serve.schema import ServeDeploySchema
+
+            from deploy.ray_app import build_app
+
+            serve_config = ServeDeploySchema.model_validate(read_yaml(path))
+            for application in serve_config.applications:
+                module, _, attr = application.import_path.partition(":")
+                assert module == "deploy.ray_app" and attr in ("app", "build_app")
+                build_app(application.args or {})
         else:
             load_engine_config(path)
 
