@@ -70,29 +70,32 @@ class DraftWorker:
     def round_seconds(self) -> float:
         return self.drafter.round_seconds()
 
-    def propose(self, call: DraftCall) -> DraftProposal:
+    def propose(self, call: DraftCall) -> tuple[DraftProposal, dict[str, float]]:
         for rid, reservation, seed in call.started:
             self.drafter.start_sequence(rid, reservation)
             self.generators[rid] = torch.Generator().manual_seed(seed)
         for rid in call.released:
             self.drafter.release_sequence(rid)
             self.generators.pop(rid, None)
+        recv_start = time.perf_counter()
         for ids, kept in call.ingest:
             rows = self.channel.recv()
             if rows.shape[0] != sum(kept):
                 raise RuntimeError(f"feature message of {rows.shape[0]} rows, expected {sum(kept)}")
             self.drafter.commit(ids, kept, rows)
+        timing = {"recv_s": time.perf_counter() - recv_start}
         if not call.inputs.request_ids:
-            return DraftProposal(torch.zeros(0, self.drafter.block_size, dtype=torch.long), None,
-                                 torch.zeros(0, self.drafter.block_size))
+            empty = torch.zeros(0, self.drafter.block_size)
+            return DraftProposal(empty.long(), None, empty), timing
         sampling = SamplingTensors(call.temperature, call.top_p, call.top_k,
                                    [self.generators[i] for i in call.inputs.request_ids])
         start = time.perf_counter()
         proposal = self.drafter.draft(call.inputs, sampling)
-        self.draft_seconds += time.perf_counter() - start
+        timing["draft_s"] = time.perf_counter() - start
+        self.draft_seconds += timing["draft_s"]
         greedy = bool(sampling.greedy.all())
         return DraftProposal(proposal.tokens.cpu(), None if greedy else proposal.draft_probs.cpu().to_sparse(),
-                             proposal.confidences.cpu())
+                             proposal.confidences.cpu()), timing
 
     def stats(self) -> dict:
         counters = self.channel.counters if self.channel else TransportCounters()
@@ -114,6 +117,7 @@ class RemoteDrafter:
     block_size: int
     timeout_s: float
     available: bool = True
+    last_timing: dict = field(default_factory=dict)  # the actor's recv_s / draft_s of the last call
     _started: list = field(default_factory=list)
     _released: list = field(default_factory=list)
     _ingest: list = field(default_factory=list)
@@ -139,7 +143,8 @@ class RemoteDrafter:
 
     def result(self, ref) -> DraftProposal | None:
         try:
-            return ray.get(ref, timeout=self.timeout_s)
+            proposal, self.last_timing = ray.get(ref, timeout=self.timeout_s)
+            return proposal
         except (ray.exceptions.RayError, TimeoutError):
             self.available = False
             return None

@@ -196,9 +196,14 @@ class Router(Engine):
             if m not in self._inflight:
                 continue
             requests, ref = self._inflight.pop(m)
-            t0 = time.perf_counter()
+            t0, start_ns = time.perf_counter(), time.time_ns()
             proposal = self.drafter.result(ref)
             self.timings["draft"] += time.perf_counter() - t0  # time the router waited for the drafter
+            if proposal is not None and self.on_phase is not None:
+                recv_ns = int(self.drafter.last_timing.get("recv_s", 0.0) * 1e9)
+                ids = [r.request_id for r in requests]
+                self.on_phase("transport", start_ns, start_ns + recv_ns, ids, {})
+                self._phase("draft", start_ns, requests)
             if proposal is None:
                 for request in requests:
                     request.speculative = False
@@ -223,12 +228,6 @@ class Router(Engine):
                  and r.microbatch == m and r.num_cached > 0]
         if group and self.drafter.available:
             self._inflight[m] = (group, self.drafter.submit(group, self._sampling(group)))
-
-    def _run_round(self, round_: _Round) -> None:
-        t0 = time.perf_counter()
-        output = self.target.run(self._verify_batch(round_))
-        self.timings["verify"] += time.perf_counter() - t0
-        self._commit(round_, output)
 
     # ------------------------------------------------------------------ telemetry
     def transport_stats(self) -> dict:

@@ -14,9 +14,13 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
+from actors.speculation_switch import SpeculationSwitch
+from actors.telemetry import ReplicaTelemetry
+from actors.tracing import RequestTracer
 from dspark.config import ConfigError, SamplingParams
 from dspark.engine import Engine
 from dspark.metrics import SpecMetrics
@@ -48,9 +52,23 @@ class Event:
     prompt_tokens: int = 0
 
 
+@dataclass
+class _Timing:
+    submitted: float
+    last: float = 0.0  # last token delivery (0: none yet)
+    remaining: int = 0  # tokens still owed (for autoscaling demand)
+
+
 class ServingLoop:
-    def __init__(self, engine: Engine, max_running: int, max_queued: int):
-        self.engine = engine
+    def __init__(self, engine: Engine, max_running: int, max_queued: int,
+                 telemetry: ReplicaTelemetry | None = None, switch: SpeculationSwitch | None = None,
+                 tracer: RequestTracer | None = None, window_s: float = 10.0):
+        self.engine, self.telemetry, self.switch, self.tracer = engine, telemetry, switch, tracer
+        if tracer is not None:
+            engine.on_phase = tracer.phase
+        self.window_s = window_s
+        self._timing: dict[int, _Timing] = {}
+        self._window: deque = deque()  # (time, completion tokens, request-rounds, steps, step seconds)
         self.max_running, self.max_queued = max_running, max_queued
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -76,6 +94,7 @@ class ServingLoop:
             queue: asyncio.Queue = asyncio.Queue()
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
             self._submissions.append((request_id, prompt_ids, params))
+            self._timing[request_id] = _Timing(time.monotonic(), remaining=params.max_tokens)
         self._wake.set()
         return request_id, queue
 
@@ -92,6 +111,7 @@ class ServingLoop:
 
     # ------------------------------------------------------------------ loop side (thread)
     def _emit(self, request_id: int, event: Event, final: bool = False) -> None:
+        self._observe(request_id, event, final)
         with self._lock:
             stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
         if stream is not None:
@@ -106,6 +126,11 @@ class ServingLoop:
                 self.engine.requests.pop(request_id)
             with self._lock:
                 self._streams.pop(request_id, None)
+                self._timing.pop(request_id, None)
+            if self.tracer is not None:
+                self.tracer.finish(request_id, "cancelled")
+            if self.telemetry is not None:
+                self.telemetry.inc("request_errors", kind="Cancelled")
         while self._submissions:
             request_id, prompt_ids, params = self._submissions.popleft()
             with self._lock:
@@ -118,6 +143,73 @@ class ServingLoop:
                 self._emit(request_id, Event("error", [], error=exc), final=True)
                 continue
             self._emit(request_id, Event("accepted", [], prompt_tokens=len(prompt_ids)))
+
+    def _observe(self, request_id: int, event: Event, final: bool) -> None:
+        """Per-request latencies and outcomes (time to first token, inter-token latency, e2e)."""
+        timing = self._timing.pop(request_id, None) if final else self._timing.get(request_id)
+        if timing is None:
+            return
+        now, tel = time.monotonic(), self.telemetry
+        if self.tracer is not None:
+            if event.kind == "accepted":
+                self.tracer.start(request_id, event.prompt_tokens, timing.remaining)
+            elif final:
+                m = event.metrics
+                self.tracer.finish(request_id, event.finish_reason or event.kind,
+                                   m.completion_tokens if m else 0, m.verify_steps if m else 0)
+        if event.token_ids:
+            timing.remaining -= len(event.token_ids)
+            if tel is not None:
+                if not timing.last:
+                    tel.observe("time_to_first_token_seconds", now - timing.submitted)
+                else:
+                    for _ in event.token_ids:
+                        tel.observe("inter_token_latency_seconds", (now - timing.last) / len(event.token_ids))
+            timing.last = now
+        if tel is None:
+            return
+        if event.kind == "accepted":
+            tel.inc("prompt_tokens", event.prompt_tokens)
+        elif event.kind == "finished":
+            tel.observe("e2e_request_latency_seconds", now - timing.submitted)
+            tel.inc("request_success", finished_reason=event.finish_reason or "unknown")
+            if event.metrics is not None and event.metrics.verify_steps:
+                tel.observe("spec_decode_acceptance_length",
+                            event.metrics.completion_tokens / event.metrics.verify_steps)
+        elif event.kind == "error":
+            tel.inc("request_errors", kind=type(event.error).__name__)
+
+    def _after_step(self) -> None:
+        engine, now = self.engine, time.monotonic()
+        m = engine.metrics
+        self._window.append((now, m.completion_tokens, m.verify_steps, engine.num_steps, engine.timings["step"]))
+        while len(self._window) > 2 and self._window[0][0] < now - self.window_s:
+            self._window.popleft()
+        if self.switch is not None:
+            self.switch.update()
+        if self.telemetry is not None:
+            tel = self.telemetry
+            tel.record_engine(m)
+            tel.set("num_requests_running", len(engine.running))
+            tel.set("num_requests_waiting", len(engine.waiting) + len(self._submissions))
+            alloc = engine.allocator
+            tel.set("kv_cache_usage_perc", 1.0 - alloc.num_free_blocks / alloc.usable_blocks)
+            tel.set("speculation_enabled", float(engine.speculation_enabled and engine.drafter is not None))
+
+    def autoscaling_stats(self) -> dict[str, float]:
+        """What the autoscaling policy reads (see ``deploy/autoscaling.py``), over the last window."""
+        window = list(self._window)
+        with self._lock:
+            outstanding = float(sum(t.remaining for t in self._timing.values()))
+        slots = float(self.engine.config.max_num_seqs)
+        if len(window) < 2:
+            return {"acceptance_length": 1.0, "step_seconds": 1.0, "batch_slots": slots,
+                    "outstanding_tokens": outstanding, "token_rate": 0.0}
+        (t0, tok0, rounds0, steps0, sec0), (t1, tok1, rounds1, steps1, sec1) = window[0], window[-1]
+        tokens, rounds, steps = tok1 - tok0, rounds1 - rounds0, steps1 - steps0
+        return {"acceptance_length": tokens / rounds if rounds else 1.0,
+                "step_seconds": (sec1 - sec0) / steps if steps else 1.0, "batch_slots": slots,
+                "outstanding_tokens": outstanding, "token_rate": tokens / max(t1 - t0, 1e-3)}
 
     def _run(self) -> None:
         while not self._stop:
@@ -132,6 +224,7 @@ class ServingLoop:
                 continue
             try:
                 outputs = self.engine.step()
+                self._after_step()
             except Exception as exc:  # the target (or its actors) failed: fail in-flight requests, retryable
                 self.step_errors += 1
                 log.exception("engine step failed; failing %d in-flight requests", len(self.engine.requests))

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import ray
+import torch
 
 from actors.router import Router
 from dspark.config import ConfigError, SamplingParams
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, pipeline in variants.items():
         runner, router = engine, None
         if pipeline is not None:
+            torch.set_num_threads(config.runtime.router_threads)  # as in a Serve replica: the router only batches
             # pipelined actors compute at the same time: split the cores between them instead of oversubscribing
             cores = os.cpu_count() or 2
             threads = {"shard_threads": max(cores // 2, 1), "drafter_threads": max(cores // 2, 1)} if pipeline else {}

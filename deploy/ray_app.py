@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.serve import Application
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
 from actors.router import replica_bundles
 from deploy.server import DSparkServer
@@ -35,12 +36,31 @@ class AppArgs(BaseModel):
                                     "relative paths are relative to the repository.")
 
 
+def autoscaling_config(config: EngineFileConfig) -> AutoscalingConfig | None:
+    spec = config.serving.autoscaling
+    if spec is None:
+        return None
+    if spec.min_replicas > spec.max_replicas:
+        raise ConfigError("serving.autoscaling.min_replicas", f"{spec.min_replicas} > max_replicas {spec.max_replicas}")
+    policy = AutoscalingPolicy(
+        policy_function="deploy.autoscaling:AcceptanceLengthPolicy",
+        policy_kwargs={"target_utilisation": spec.target_utilisation, "drain_horizon_s": spec.drain_horizon_s,
+                       "hysteresis": spec.hysteresis, "downscale_cycles": spec.downscale_cycles})
+    return AutoscalingConfig(min_replicas=spec.min_replicas, max_replicas=spec.max_replicas,
+                             initial_replicas=max(spec.min_replicas, 1), metrics_interval_s=spec.metrics_interval_s,
+                             look_back_period_s=spec.look_back_period_s, upscale_delay_s=spec.upscale_delay_s,
+                             downscale_delay_s=spec.downscale_delay_s, policy=policy)
+
+
 def deployment_options(config: EngineFileConfig) -> dict:
     serving, runtime = config.serving, config.runtime
+    autoscaling = autoscaling_config(config)
+    replicas = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": serving.num_replicas}
     return {
         "name": "DSparkServer",
-        "num_replicas": serving.num_replicas,
-        "ray_actor_options": {"num_cpus": serving.router_cpus},
+        **replicas,
+        "ray_actor_options": {"num_cpus": serving.router_cpus,
+                              "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": runtime.omp_wait_policy.upper()}}},
         "placement_group_bundles": [{"CPU": serving.router_cpus}, *replica_bundles(config)],
         "placement_group_strategy": runtime.placement_strategy,
         # the replica answers 429 itself past its bounds: let those requests reach it

@@ -17,9 +17,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.util import get_current_placement_group
@@ -27,6 +28,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.router import Router
 from actors.serving_loop import Event, Overloaded, ServingLoop, Unavailable
+from actors.speculation_switch import SpeculationSwitch
+from actors.telemetry import ReplicaTelemetry
+from actors.tracing import RequestTracer, make_provider
 from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, SpecStats, _Request
 from deploy.text_stream import TextStream
 from dspark.config import ConfigError, SamplingParams
@@ -146,10 +150,21 @@ class DSparkServer:
         if config.resolve(config.target.path) == default_target_dir():
             prepare_target()  # the embedded default converts itself on first start (no-op when cached)
         placement = get_current_placement_group()
+        torch.set_num_threads(config.runtime.router_threads)  # the router only batches; actors compute
         self.router = Router(config, placement=placement, bundle_offset=1 if placement else 0)
         self.tokenizer = self.router.tokenizer
-        self.loop = ServingLoop(self.router, self.spec.max_concurrent_requests, self.spec.max_queued_requests)
+        self.telemetry = ReplicaTelemetry(config.name)
+        switch = (SpeculationSwitch(self.router, probe_interval_s=self.spec.speculation_probe_interval_s)
+                  if self.spec.load_aware_speculation else None)
+        provider = make_provider(self.spec.tracing, self.spec.otlp_endpoint, service=f"dspark/{config.name}")
+        self.loop = ServingLoop(self.router, self.spec.max_concurrent_requests, self.spec.max_queued_requests,
+                                telemetry=self.telemetry, switch=switch,
+                                tracer=RequestTracer(provider) if provider else None)
         self.created = int(time.time())
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Read by Serve every ``metrics_interval_s`` for ``deploy.autoscaling.AcceptanceLengthPolicy``."""
+        return self.loop.autoscaling_stats()
 
     def check_health(self) -> None:
         if not self.loop._thread.is_alive():
@@ -242,6 +257,12 @@ class DSparkServer:
         alloc = self.router.allocator
         return {"status": "ok", "in_flight": self.loop.in_flight, "kv_free_blocks": alloc.num_free_blocks,
                 "kv_total_blocks": alloc.usable_blocks}
+
+    @api.get("/metrics", summary="Prometheus metrics of this replica (no authentication, no request content)",
+             response_class=PlainTextResponse)
+    async def metrics(self) -> PlainTextResponse:
+        return PlainTextResponse(self.telemetry.prometheus_text().decode(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @api.get("/v1/models", summary="The served model", dependencies=[Depends(authorize)])
     async def models(self) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +79,9 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.metrics = SpecMetrics()
         self.num_steps = 0
+        self.speculation_enabled = True  # new requests speculate (a load-aware switch may turn this off)
+        # tracing hook: on_phase(name, start_ns, end_ns, request_ids, per_request attributes)
+        self.on_phase: Callable[[str, int, int, list[int], dict[str, list]], None] | None = None
         self.timings = {"draft": 0.0, "schedule": 0.0, "verify": 0.0, "step": 0.0}  # seconds, cumulative
         self._ids = itertools.count()
         self.profile = profile
@@ -140,8 +143,9 @@ class Engine:
         if plain:
             rounds.append(_Round(plain, None, torch.zeros(len(plain), dtype=torch.long)))
         if speculative:
-            t0 = time.perf_counter()
+            t0, start_ns = time.perf_counter(), time.time_ns()
             proposal = self._draft(speculative)
+            self._phase("draft", start_ns, speculative)
             t1 = time.perf_counter()
             self.timings["draft"] += t1 - t0
             if proposal is None:  # the drafter failed: these requests decode without it from now on
@@ -153,14 +157,25 @@ class Engine:
                 rounds.append(_Round(speculative, proposal, self._schedule_verify(speculative, proposal)))
             self.timings["schedule"] += time.perf_counter() - t1
         for round_ in rounds:
-            t0 = time.perf_counter()
-            output = self.target.run(self._verify_batch(round_))
-            self.timings["verify"] += time.perf_counter() - t0
-            self._commit(round_, output)
+            self._run_round(round_)
         outputs = self._emit(prefill + decode)
         self.timings["step"] += time.perf_counter() - started
         self.num_steps += 1
         return outputs
+
+    def _run_round(self, round_: _Round) -> None:
+        """Verify one round on the target and commit it."""
+        t0, start_ns = time.perf_counter(), time.time_ns()
+        prefill = [r.num_cached == 0 for r in round_.requests]
+        output = self.target.run(self._verify_batch(round_))
+        self.timings["verify"] += time.perf_counter() - t0
+        self._commit(round_, output)
+        self._phase("verify", start_ns, round_.requests, prefill=prefill,
+                    verified=round_.lengths.tolist(), accepted=output.result.num_accepted.tolist())
+
+    def _phase(self, name: str, start_ns: int, requests: list[Request], **per_request: list) -> None:
+        if self.on_phase is not None:
+            self.on_phase(name, start_ns, time.time_ns(), [r.request_id for r in requests], per_request)
 
     def _schedule(self) -> tuple[list[Request], list[Request]]:
         """Admit waiting requests while sequence slots and cache reservations allow."""
@@ -170,7 +185,7 @@ class Engine:
             request = self.waiting[0]
             if not self.allocator.can_reserve(request.reservation):
                 break
-            speculative = self.drafter is not None and self.drafter.available
+            speculative = self.drafter is not None and self.drafter.available and self.speculation_enabled
             if speculative and not self.drafter.can_start(request):
                 break
             self.waiting.popleft()

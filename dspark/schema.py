@@ -79,12 +79,29 @@ class RuntimeSpec(_Strict):
     drafter_threads: int = Field(0, ge=0, description="torch intra-op threads of the drafter actor (0: one per CPU "
                                                       "core of the node). With pipelining on a CPU-only node, give "
                                                       "the shards and the drafter disjoint shares of the cores.")
+    router_threads: int = Field(1, ge=1, description="torch threads of the router process (it only batches).")
     omp_wait_policy: Literal["passive", "active"] = Field(
         "passive", description="OpenMP wait policy of the actors' torch threads: 'passive' threads sleep between "
                                "kernels instead of spinning, so actors sharing CPU cores do not starve each other.")
     drafter_timeout_s: float = Field(30.0, gt=0, description="A draft call slower than this counts as a drafter "
                                                              "failure: the router decodes without it and restarts it.")
     collective_timeout_s: float = Field(60.0, gt=0, description="Timeout of collective operations and rendezvous.")
+
+
+class AutoscalingSpec(_Strict):
+    """Replica autoscaling by acceptance-length telemetry (``deploy/autoscaling.py`` has the formula)."""
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas.")
+    max_replicas: int = Field(4, ge=1, description="Most replicas.")
+    target_utilisation: float = Field(0.7, gt=0, le=1, description="Fraction of the modelled token capacity "
+                                                                   "(tau x batch slots / step time) to run at.")
+    drain_horizon_s: float = Field(10.0, gt=0, description="Outstanding tokens should be served within this time.")
+    hysteresis: float = Field(0.2, ge=0, lt=1, description="Scale down only below (1 - hysteresis) x target.")
+    downscale_cycles: int = Field(3, ge=1, description="Consecutive low decisions before scaling down.")
+    metrics_interval_s: float = Field(2.0, gt=0, description="How often replicas report their statistics.")
+    look_back_period_s: float = Field(10.0, gt=0, description="Window Serve averages the statistics over.")
+    upscale_delay_s: float = Field(5.0, ge=0, description="Serve's delay before acting on a scale-up.")
+    downscale_delay_s: float = Field(60.0, ge=0, description="Serve's delay before acting on a scale-down.")
 
 
 class ServingSpec(_Strict):
@@ -101,7 +118,16 @@ class ServingSpec(_Strict):
                                                                "waiting for a batch slot).")
     max_queued_requests: int = Field(32, ge=0, description="Further requests a replica holds before refusing "
                                                            "with 429 / RESOURCE_EXHAUSTED.")
-    num_replicas: int = Field(1, ge=1, description="Serving replicas (each: router + target shards + drafter).")
+    num_replicas: int = Field(1, ge=1, description="Serving replicas (each: router + target shards + drafter) "
+                                                   "when autoscaling is off.")
+    autoscaling: AutoscalingSpec | None = Field(None, description="Autoscale replicas by acceptance length "
+                                                                  "(None: a fixed num_replicas).")
+    load_aware_speculation: bool = Field(False, description="Turn speculation off for new requests while the "
+                                                            "measured acceptance length is below break-even.")
+    tracing: Literal["none", "console", "otlp"] = Field("none", description="OpenTelemetry span exporter.")
+    otlp_endpoint: str | None = Field(None, description="OTLP collector endpoint (default: OTEL_* variables).")
+    speculation_probe_interval_s: float = Field(60.0, gt=0, description="How long speculation stays off before "
+                                                                        "it is tried again.")
     router_cpus: float = Field(0.5, ge=0, description="CPUs reserved for each replica's router / ingress process.")
 
 

@@ -159,3 +159,23 @@ def test_cli_bench_writes_results_table_and_plot(tiny_config, tmp_path):
     assert results["benchmarks"]["mbpp"]["speedup"] > 0 and set(spec["time_split_s"]) >= {"draft", "verify"}
     assert "| mbpp | 2 |" in results["markdown"] and "**Pooled**" in run.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_app_builder_validates_its_arguments_and_config(tmp_path, monkeypatch):
+    from deploy.ray_app import DEFAULT_CONFIG, build_app, deployment_options
+
+    with pytest.raises(ConfigError, match="build_app: bogus"):
+        build_app({"bogus": 1})
+    with pytest.raises(ConfigError, match="no such file"):
+        build_app({"config": str(tmp_path / "missing.yaml")})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target: {path: /x}\nserving: {max_concurrent_requests: 0}\n")
+    with pytest.raises(ConfigError, match="serving.max_concurrent_requests"):
+        build_app({"config": str(bad)})
+    monkeypatch.setenv("DSPARK_CONFIG", str(bad))  # the environment variable overrides the default
+    with pytest.raises(ConfigError, match="serving.max_concurrent_requests"):
+        build_app()
+    monkeypatch.delenv("DSPARK_CONFIG")
+    options = deployment_options(load_engine_config(DEFAULT_CONFIG))
+    assert options["placement_group_bundles"][0] == {"CPU": 0.5} and len(options["placement_group_bundles"]) == 3
+    assert options["placement_group_strategy"] == "STRICT_PACK"

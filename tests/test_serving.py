@@ -45,7 +45,7 @@ def served(ray_cluster, tmp_path_factory):
     data["draft"]["path"] = str(base.resolve(base.draft.path))
     data["serving"].update(api_key_file=str(key_file), max_concurrent_requests=MAX_CONCURRENT,
                            max_queued_requests=MAX_QUEUED, max_tokens_limit=64, max_prompt_tokens=512)
-    data["engine"].update(max_num_seqs=MAX_CONCURRENT)
+    data["engine"].update(max_num_seqs=MAX_CONCURRENT, scheduler="full")  # deterministic blocks: bench comparison
     path = config_dir / "served.yaml"
     path.write_text(json.dumps(data))
     serve.start(http_options={"host": "127.0.0.1", "port": 8000},
@@ -84,6 +84,52 @@ def prompts(n: int) -> list[str]:
 def reference(engine, text: str, chat: bool, max_tokens: int) -> list[int]:
     prompt = encode_prompt(engine.tokenizer, text, chat=chat)
     return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0].token_ids
+
+
+def scrape(name_prefix: str = "dspark:") -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{HTTP}/metrics", timeout=30).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(name_prefix):
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+                values[(sample.name, labels)] = sample.value
+    return values
+
+
+def test_prometheus_counters_match_dspark_bench(served, engine):
+    """Per-position acceptance from the live app's counters equals `dspark bench`'s own computation."""
+    from dspark.bench import run_prompts, summarise
+
+    texts = prompts(4)
+    before = scrape()
+    for text in texts:  # one at a time, like the bench (batch 1)
+        response = requests.post(f"{HTTP}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                                 json={"model": MODEL, "messages": [{"role": "user", "content": text}],
+                                       "max_tokens": 32, "temperature": 0}, timeout=120)
+        assert response.status_code == 200
+    after = scrape()
+
+    def delta(name, **labels):
+        key = (f"dspark:{name}", tuple(sorted((k, str(v)) for k, v in labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    bench = summarise(run_prompts(engine, [encode_prompt(engine.tokenizer, t, chat=True) for t in texts],
+                                  SamplingParams(max_tokens=32, temperature=0.0)), len(texts))
+    drafts = delta("spec_decode_num_drafts_total")
+    assert drafts == bench["num_drafts"] > 0
+    assert delta("spec_decode_num_accepted_tokens_total") == bench["num_accepted_tokens"]
+    assert delta("generation_tokens_total") == bench["completion_tokens"]
+    rates = [delta("spec_decode_num_accepted_tokens_per_pos_total", position=k + 1) / drafts
+             for k in range(len(bench["acceptance_rate_per_pos"]))]
+    assert rates == pytest.approx(bench["acceptance_rate_per_pos"])
+    assert all(1 >= a >= b >= 0 for a, b in zip(rates, rates[1:]))  # sane: non-increasing along the block
+    assert delta("request_success_total", finished_reason="length") + delta(
+        "request_success_total", finished_reason="stop") == len(texts)
+    assert after[("dspark:time_to_first_token_seconds_count", ())] >= len(texts)
+    assert 0 <= after[("dspark:kv_cache_usage_perc", ())] <= 1 and after[("dspark:speculation_enabled", ())] == 1
 
 
 def test_openai_client_greedy_equals_in_process(client, engine):
