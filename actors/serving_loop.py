@@ -69,6 +69,7 @@ class ServingLoop:
         self.window_s = window_s
         self._timing: dict[int, _Timing] = {}
         self._window: deque = deque()  # (time, completion tokens, request-rounds, steps, step seconds)
+        self._last_tau, self._last_step = None, None  # last measured acceptance length and step time
         self.max_running, self.max_queued = max_running, max_queued
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -183,8 +184,8 @@ class ServingLoop:
         engine, now = self.engine, time.monotonic()
         m = engine.metrics
         self._window.append((now, m.completion_tokens, m.verify_steps, engine.num_steps, engine.timings["step"]))
-        while len(self._window) > 2 and self._window[0][0] < now - self.window_s:
-            self._window.popleft()
+        while len(self._window) > 1 and self._window[1][0] < now - self.window_s:
+            self._window.popleft()  # keep one sample at or before the window's start
         if self.switch is not None:
             self.switch.update()
         if self.telemetry is not None:
@@ -197,19 +198,25 @@ class ServingLoop:
             tel.set("speculation_enabled", float(engine.speculation_enabled and engine.drafter is not None))
 
     def autoscaling_stats(self) -> dict[str, float]:
-        """What the autoscaling policy reads (see ``deploy/autoscaling.py``), over the last window."""
+        """What the autoscaling policy reads (see ``deploy/autoscaling.py``), over the last window.
+
+        Empty until the replica has decoded anything (the policy then holds); an idle replica
+        keeps its last measured acceptance length and step time and reports zero demand."""
+        now = time.monotonic()
         window = list(self._window)
         with self._lock:
             outstanding = float(sum(t.remaining for t in self._timing.values()))
-        slots = float(self.engine.config.max_num_seqs)
-        if len(window) < 2:
-            return {"acceptance_length": 1.0, "step_seconds": 1.0, "batch_slots": slots,
-                    "outstanding_tokens": outstanding, "token_rate": 0.0}
-        (t0, tok0, rounds0, steps0, sec0), (t1, tok1, rounds1, steps1, sec1) = window[0], window[-1]
-        tokens, rounds, steps = tok1 - tok0, rounds1 - rounds0, steps1 - steps0
-        return {"acceptance_length": tokens / rounds if rounds else 1.0,
-                "step_seconds": (sec1 - sec0) / steps if steps else 1.0, "batch_slots": slots,
-                "outstanding_tokens": outstanding, "token_rate": tokens / max(t1 - t0, 1e-3)}
+        rate = 0.0
+        if len(window) >= 2 and window[-1][2] > window[0][2]:
+            (t0, tok0, rounds0, steps0, sec0), (_, tok1, rounds1, steps1, sec1) = window[0], window[-1]
+            self._last_tau = (tok1 - tok0) / (rounds1 - rounds0)
+            self._last_step = (sec1 - sec0) / max(steps1 - steps0, 1)
+            rate = (tok1 - tok0) / max(now - t0, 1e-3)  # decays while the replica idles
+        if self._last_tau is None:
+            return {}
+        return {"acceptance_length": self._last_tau, "step_seconds": self._last_step,
+                "batch_slots": float(self.engine.config.max_num_seqs),
+                "outstanding_tokens": outstanding, "token_rate": rate}
 
     def _run(self) -> None:
         while not self._stop:

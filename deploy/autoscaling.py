@@ -27,8 +27,11 @@ application-level policy is needed.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
+
+log = logging.getLogger("ray.serve")
 
 METRICS = ("acceptance_length", "step_seconds", "batch_slots", "outstanding_tokens", "token_rate")
 
@@ -81,7 +84,14 @@ class AcceptanceLengthPolicy:
         stats = [ReplicaStats(*(float(metrics[m][r]) for m in METRICS)) for r in replicas]
         up, down = desired_replicas(stats, current, self.target_utilisation, self.drain_horizon_s,
                                     self.hysteresis)
-        state["last_desired_up"], state["last_capacity"] = up, sum(s.capacity for s in stats) / len(stats)
+        capacity = sum(s.capacity for s in stats) / len(stats)
+        if (up, down) != (state.get("up"), state.get("down")):
+            demand = max(sum(s.token_rate for s in stats), sum(s.outstanding_tokens for s in stats) /
+                         self.drain_horizon_s)
+            log.info("dspark autoscaling: %d replicas, capacity %.1f tok/s per replica, demand %.1f tok/s -> up %d / "
+                     "down %d; per replica %s", current, capacity, demand, up, down,
+                     [tuple(round(v, 2) for v in vars(s).values()) for s in stats])
+        state["up"], state["down"], state["capacity"] = up, down, capacity
         if up > current:
             state["below"] = 0
             decision = up

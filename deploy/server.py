@@ -256,7 +256,8 @@ class DSparkServer:
     async def health(self) -> dict:
         alloc = self.router.allocator
         return {"status": "ok", "in_flight": self.loop.in_flight, "kv_free_blocks": alloc.num_free_blocks,
-                "kv_total_blocks": alloc.usable_blocks}
+                "kv_total_blocks": alloc.usable_blocks, "speculation_enabled": self.router.speculation_enabled,
+                "autoscaling": self.loop.autoscaling_stats()}
 
     @api.get("/metrics", summary="Prometheus metrics of this replica (no authentication, no request content)",
              response_class=PlainTextResponse)

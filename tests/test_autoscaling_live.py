@@ -1,0 +1,101 @@
+"""Live autoscaling on a local cluster: lower acceptance at the same offered load adds a replica.
+
+An open-loop client offers a fixed request rate (a counting prompt, 48 tokens each: 24 tokens/s).
+Greedy, the shipped draft accepts about 3 tokens per verify step (measured: tau 2.9-3.1, modelled
+capacity ~90 tokens/s per replica): one replica suffices. At temperature 1.5 acceptance falls to
+about 1.2 (capacity ~20 tokens/s), the queue grows, and the policy asks for a second replica.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+from dspark.prepare import prepare_target
+from dspark.schema import load_engine_config
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+HTTP = "http://127.0.0.1:8000"
+
+
+def replicas() -> int:
+    from ray import serve
+
+    status = serve.status().applications["dspark"].deployments["DSparkServer"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+class OpenLoop:
+    """Requests at a fixed rate, whatever the server's speed (a queue builds when it is too slow)."""
+
+    def __init__(self, rate: float):
+        self.interval, self.temperature, self.stop = 1.0 / rate, 0.0, threading.Event()
+        self.errors = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _one(self, temperature: float) -> None:
+        body = {"model": "smollm2-135m-instruct", "prompt": "Count from 1 to 200: 1, 2, 3, 4, 5,",
+                "max_tokens": 48, "temperature": temperature, "top_p": 1.0}
+        try:
+            if requests.post(f"{HTTP}/v1/completions", json=body, timeout=300).status_code != 200:
+                self.errors += 1
+        except requests.RequestException:
+            self.errors += 1
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            threading.Thread(target=self._one, args=(self.temperature,), daemon=True).start()
+            self.stop.wait(self.interval)
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:
+    start, last = time.monotonic(), 0.0
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"timed out waiting for {what}"
+        if time.monotonic() - last > 30:  # progress: one replica's view
+            last = time.monotonic()
+            print(what, requests.get(f"{HTTP}/health", timeout=30).json()["autoscaling"], flush=True)
+        time.sleep(1)
+    return time.monotonic() - start
+
+
+def test_degraded_acceptance_adds_a_replica(ray_cluster, tmp_path):
+    from ray import serve
+
+    from deploy.ray_app import build_app
+
+    prepare_target()
+    base = load_engine_config(REPO / "configs" / "embedded.yaml")
+    data = base.model_dump(exclude={"base_dir"})
+    data["draft"]["path"] = str(base.resolve(base.draft.path))
+    data["engine"].update(scheduler="full", max_num_seqs=4)
+    data["runtime"].update(shard_cpus=0.3, drafter_cpus=0.3, shard_threads=1, drafter_threads=1)
+    data["serving"].update(router_cpus=0.3, max_queued_requests=64, autoscaling={
+        "min_replicas": 1, "max_replicas": 2, "target_utilisation": 0.8, "hysteresis": 0.1, "drain_horizon_s": 10,
+        "downscale_cycles": 3, "metrics_interval_s": 1, "look_back_period_s": 5, "upscale_delay_s": 2,
+        "downscale_delay_s": 5})
+    path = tmp_path / "autoscale.yaml"
+    path.write_text(json.dumps(data))
+    serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+    serve.run(build_app({"config": str(path)}), name="dspark", route_prefix="/")
+    load = OpenLoop(rate=0.5)  # 24 tokens/s offered
+    try:
+        time.sleep(25)
+        assert replicas() == 1, "greedy acceptance: one replica has the capacity"
+        load.temperature = 1.5  # the drafter's proposals are now accepted far less often
+        waited = wait_for(lambda: replicas() == 2, 180, "a second replica")
+        print(f"scaled up {waited:.0f} s after acceptance fell")
+        # Scaling back once acceptance recovers is covered by the policy's unit tests; live on this 2-core
+        # machine the first replica's backlog of slow requests kept the modelled demand at the down threshold
+        # for minutes (see the issue note), so it is not asserted here.
+    finally:
+        load.stop.set()
+        serve.delete("dspark")
+    assert load.errors == 0
