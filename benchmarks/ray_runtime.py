@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-per-level", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--pipeline-shard-threads", type=int, default=0, help="default: all cores")
+    parser.add_argument("--pipeline-drafter-threads", type=int, default=0, help="default: half the cores")
     parser.add_argument("--shared", default=str(REPO.parent / "shared"))
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None)
@@ -119,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         runner, router = engine, None
         if pipeline is not None:
             torch.set_num_threads(config.runtime.router_threads)  # as in a Serve replica: the router only batches
-            # pipelined actors compute at the same time: split the cores between them instead of oversubscribing
+            # pipelined actors compute at the same time: the drafter gets a share of the cores, the target the rest
             cores = os.cpu_count() or 2
-            threads = {"shard_threads": max(cores // 2, 1), "drafter_threads": max(cores // 2, 1)} if pipeline else {}
+            threads = ({"shard_threads": args.pipeline_shard_threads or cores,
+                        "drafter_threads": args.pipeline_drafter_threads or max(cores // 2, 1)} if pipeline else {})
             runtime = config.runtime.model_copy(update={"pipeline": pipeline, **threads})
             router = runner = Router(config.model_copy(update={"runtime": runtime}))
         try:
