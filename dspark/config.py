@@ -72,6 +72,15 @@ class RopeConfig:
         return out
 
 
+def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    """RoPE from either layout: ``rope_theta`` + ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5)."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        return RopeConfig.from_hf(theta, params)
+    return RopeConfig.from_hf(hf.get("rope_theta", 10000.0), hf.get("rope_scaling"))
+
+
 @dataclass(frozen=True)
 class DecoderConfig:
     """Shape of a stack of dense decoder layers: used by the target and by the draft backbone."""
@@ -138,7 +147,7 @@ class DecoderConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             vocab_size=hf["vocab_size"],
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope=RopeConfig.from_hf(hf.get("rope_theta", 10000.0), hf.get("rope_scaling")),
+            rope=_rope_from_hf(hf),
             attention="mla" if mla else "gqa",
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",

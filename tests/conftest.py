@@ -89,3 +89,15 @@ def ray_cluster():
         serve.shutdown()
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_instance(ray_cluster):
+    """Ray Serve started once per session with HTTP on 127.0.0.1:8000 and gRPC on :9000 (fixed ports)."""
+    from ray import serve
+
+    serve.start(http_options={"host": "127.0.0.1", "port": 8000},
+                grpc_options={"port": 9000, "grpc_servicer_functions": [
+                    "dspark.v1.serving_pb2_grpc.add_DSparkServicer_to_server",
+                    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]})
+    return serve

@@ -36,7 +36,7 @@ class OpenLoop:
 
     def __init__(self, rate: float):
         self.interval, self.temperature, self.stop = 1.0 / rate, 0.0, threading.Event()
-        self.errors = 0
+        self.errors, self.refused = 0, 0  # refused: 429 while the queue is full (correct under overload)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -44,9 +44,12 @@ class OpenLoop:
         body = {"model": "smollm2-135m-instruct", "prompt": "Count from 1 to 200: 1, 2, 3, 4, 5,",
                 "max_tokens": 48, "temperature": temperature, "top_p": 1.0}
         try:
-            if requests.post(f"{HTTP}/v1/completions", json=body, timeout=300).status_code != 200:
-                self.errors += 1
+            status = requests.post(f"{HTTP}/v1/completions", json=body, timeout=300).status_code
         except requests.RequestException:
+            status = None
+        if status == 429:
+            self.refused += 1
+        elif status != 200 and not self.stop.is_set():  # requests cut off by the app's deletion do not count
             self.errors += 1
 
     def _run(self) -> None:
@@ -66,7 +69,7 @@ def wait_for(predicate, timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
-def test_degraded_acceptance_adds_a_replica(ray_cluster, tmp_path):
+def test_degraded_acceptance_adds_a_replica(serve_instance, tmp_path):
     from ray import serve
 
     from deploy.ray_app import build_app
@@ -83,7 +86,6 @@ def test_degraded_acceptance_adds_a_replica(ray_cluster, tmp_path):
         "downscale_delay_s": 5})
     path = tmp_path / "autoscale.yaml"
     path.write_text(json.dumps(data))
-    serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     serve.run(build_app({"config": str(path)}), name="dspark", route_prefix="/")
     load = OpenLoop(rate=0.5)  # 24 tokens/s offered
     try:
@@ -97,5 +99,6 @@ def test_degraded_acceptance_adds_a_replica(ray_cluster, tmp_path):
         # for minutes (see the issue note), so it is not asserted here.
     finally:
         load.stop.set()
+        errors = load.errors
         serve.delete("dspark")
-    assert load.errors == 0
+    assert errors == 0

@@ -75,3 +75,20 @@ def test_shipped_draft_loads_and_is_lossless_on_the_embedded_default(smollm2):
     plain = Engine(smollm2[1], tok, None, EngineConfig(speculate=False, kv_cache_tokens=4096)).generate(prompts, params)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert engine.metrics.acceptance_length > 1.3  # a trained head: a random one stays near 1.0
+
+
+def test_converted_target_matches_transformers(smollm2):
+    """Our code on the prepared checkpoint = transformers on the same directory (RoPE theta 1e5 included)."""
+    from transformers import AutoModelForCausalLM
+
+    path, target, tok = smollm2
+    assert target.config.rope.theta == 100000.0
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.tensor([tok.encode("The capital of France is Paris. The capital of Italy is")])
+    with torch.no_grad():
+        expected = reference(ids).logits[0]
+    cache = target.make_cache(256, 16)
+    cache.allocator.reserve(0, 64)
+    meta = cache.allocator.metadata([0], [0], [ids.shape[1]])
+    logits = target(ids, torch.arange(ids.shape[1])[None], cache, meta).logits[0]
+    assert (logits - expected).abs().max().item() < 1e-3

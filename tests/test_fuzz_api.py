@@ -21,7 +21,8 @@ schema = schemathesis.openapi.from_dict(api.openapi())
 
 def test_the_server_serves_its_openapi_schema(served):  # noqa: F811
     served_schema = requests.get(f"{HTTP}/openapi.json", timeout=30).json()
-    assert set(served_schema["paths"]) == {"/health", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+    assert set(served_schema["paths"]) == {"/health", "/metrics", "/v1/models", "/v1/completions",
+                                           "/v1/chat/completions"}
     assert served_schema["paths"] == api.openapi()["paths"]
 
 

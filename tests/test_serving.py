@@ -30,7 +30,7 @@ MAX_CONCURRENT, MAX_QUEUED = 4, 2
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster, tmp_path_factory):
+def served(serve_instance, tmp_path_factory):
     """The embedded default behind Serve's HTTP (8000) and gRPC (9000) proxies, with an API key."""
     from ray import serve
 
@@ -48,10 +48,6 @@ def served(ray_cluster, tmp_path_factory):
     data["engine"].update(max_num_seqs=MAX_CONCURRENT, scheduler="full")  # deterministic blocks: bench comparison
     path = config_dir / "served.yaml"
     path.write_text(json.dumps(data))
-    serve.start(http_options={"host": "127.0.0.1", "port": 8000},
-                grpc_options={"port": 9000, "grpc_servicer_functions": [
-                    "dspark.v1.serving_pb2_grpc.add_DSparkServicer_to_server",
-                    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]})
     serve.run(build_app({"config": str(path)}), name="dspark", route_prefix="/")
     yield load_engine_config(path)
     serve.delete("dspark")

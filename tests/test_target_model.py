@@ -73,3 +73,16 @@ def test_kv_cache_blocks_are_freed_and_rolled_back():
     assert alloc.num_free_blocks == start
     with pytest.raises(Exception, match="KV blocks"):
         alloc.reserve(8, 10_000)
+
+
+def test_rope_parameters_of_transformers_5_are_read():
+    from dspark.config import DecoderConfig
+
+    base = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 100}
+    assert DecoderConfig.from_hf({**base, "rope_theta": 5e5}).rope.theta == 5e5
+    new = DecoderConfig.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e5}})
+    assert new.rope.theta == 1e5 and new.rope.scaling_type is None
+    yarn = DecoderConfig.from_hf({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e4, "factor": 32.0,
+                                                               "original_max_position_embeddings": 4096}})
+    assert (yarn.rope.theta, yarn.rope.scaling_type, yarn.rope.factor) == (5e4, "yarn", 32.0)
