@@ -105,6 +105,17 @@ class DecoderConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    rope_interleave: bool = False  # DeepSeek lays rotary dims out in (even, odd) pairs
+    # Mixture of experts (DeepSeek-V3 / Kimi): used when n_routed_experts > 0, from layer first_k_dense_replace on.
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    num_experts_per_tok: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = 0
     model_type: str = "llama"
 
     def __post_init__(self) -> None:
@@ -125,6 +136,14 @@ class DecoderConfig:
                     raise ConfigError(name, "must be positive for MLA attention")
         else:
             raise ConfigError("attention", f"must be 'gqa' or 'mla', got {self.attention!r}")
+        if self.n_routed_experts:
+            if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
+                raise ConfigError("num_experts_per_tok", f"must be in [1, n_routed_experts={self.n_routed_experts}]")
+            if self.moe_intermediate_size <= 0:
+                raise ConfigError("moe_intermediate_size", "must be positive for a mixture of experts")
+            if self.n_group <= 0 or self.n_routed_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+                raise ConfigError("n_group", f"n_group {self.n_group} must divide n_routed_experts "
+                                             f"{self.n_routed_experts} and topk_group must be in [1, n_group]")
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
@@ -158,6 +177,16 @@ class DecoderConfig:
             qk_nope_head_dim=hf.get("qk_nope_head_dim", 0) or 0,
             qk_rope_head_dim=hf.get("qk_rope_head_dim", 0) or 0,
             v_head_dim=hf.get("v_head_dim", 0) or 0,
+            rope_interleave=bool(hf.get("rope_interleave", model_type in ("deepseek_v3", "kimi_k2"))),
+            n_routed_experts=hf.get("n_routed_experts") or 0,
+            n_shared_experts=hf.get("n_shared_experts") or 0,
+            moe_intermediate_size=hf.get("moe_intermediate_size") or 0,
+            num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+            n_group=hf.get("n_group") or 1,
+            topk_group=hf.get("topk_group") or 1,
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            first_k_dense_replace=hf.get("first_k_dense_replace", 0) or 0,
             model_type=model_type,
         )
 
@@ -187,6 +216,15 @@ class DecoderConfig:
                 qk_nope_head_dim=self.qk_nope_head_dim,
                 qk_rope_head_dim=self.qk_rope_head_dim,
                 v_head_dim=self.v_head_dim,
+                rope_interleave=self.rope_interleave,
+            )
+        if self.n_routed_experts:
+            out.update(
+                n_routed_experts=self.n_routed_experts, n_shared_experts=self.n_shared_experts,
+                moe_intermediate_size=self.moe_intermediate_size, num_experts_per_tok=self.num_experts_per_tok,
+                n_group=self.n_group, topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
+                norm_topk_prob=self.norm_topk_prob, first_k_dense_replace=self.first_k_dense_replace,
+                scoring_func="sigmoid", topk_method="noaux_tc",
             )
         return out
 

@@ -78,12 +78,66 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     # x: [B, T, H, D]; cos/sin: [B, T, D]  (rotate-half convention of Hugging Face)
+    # interleaved: rotary pairs are (x0, x1), (x2, x3), ... (DeepSeek); de-interleave first (evens, then odds)
+    if interleaved:
+        x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+class MoEGate(nn.Module):
+    """DeepSeek-V3 routing: sigmoid scores, bias-corrected grouped top-k, normalised and scaled weights."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [N, hidden] -> weights [N, k] float32, expert ids [N, k]
+        cfg, n = self.cfg, x.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        choice = scores + self.e_score_correction_bias.float()
+        per_group = cfg.n_routed_experts // cfg.n_group
+        group_scores = choice.view(n, cfg.n_group, per_group).topk(min(2, per_group), dim=-1).values.sum(-1)
+        groups = group_scores.topk(cfg.topk_group, dim=-1).indices  # [N, topk_group]
+        allowed = torch.zeros(n, cfg.n_group, dtype=torch.bool, device=x.device).scatter_(1, groups, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(per_group, dim=1), float("-inf"))
+        experts = choice.topk(cfg.num_experts_per_tok, dim=-1).indices  # [N, k]
+        weights = scores.gather(1, experts)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, experts
+
+
+class MoE(nn.Module):
+    """Routed experts plus shared experts (names as in DeepSeek / Kimi checkpoints)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate = MoEGate(cfg)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size)
+                                     for _ in range(cfg.n_routed_experts))
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., hidden]
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = self.gate(flat)
+        out = torch.zeros_like(flat)
+        for expert in experts.unique().tolist():  # dispatch: each expert runs once on its tokens
+            token, slot = (experts == expert).nonzero(as_tuple=True)
+            contribution = self.experts[expert](flat[token]) * weights[token, slot, None]
+            out.index_add_(0, token, contribution.to(out.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view_as(x)
 
 
 class MLP(nn.Module):
@@ -152,6 +206,12 @@ class GQAAttention(nn.Module):
     def attend(self, q, k, v, mask) -> torch.Tensor:
         return self.o_proj(attend(q, k, v, mask, self.scale))
 
+    def cache_kv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.project_kv(h, positions)
+
+    def expand_cached(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v
+
 
 class MLAAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V3 / Kimi): low-rank q and a compressed kv latent.
@@ -178,6 +238,7 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=cfg.attention_bias)
         self.rotary = RotaryEmbedding(self.rope_dim, cfg.rope)
         self.rotary.attention_scaling = 1.0  # YaRN's mscale goes into the softmax scale for MLA
+        self.interleave = cfg.rope_interleave
         self.scale = qk_dim**-0.5
         if cfg.rope.scaling_type == "yarn" and cfg.rope.mscale_all_dim:
             self.scale *= yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
@@ -191,13 +252,13 @@ class MLAAttention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.nope + self.rope_dim))
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         cos, sin = self.rotary(positions, q.dtype)
-        return torch.cat((q_nope, apply_rotary(q_rope, cos, sin)), dim=-1)
+        return torch.cat((q_nope, apply_rotary(q_rope, cos, sin, self.interleave)), dim=-1)
 
     def compress_kv(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # h: [B, T, hidden] -> latent: [B, T, kv_lora_rank + rope] (normalised latent, rotated rope key)
         latent, k_rope = self.kv_a_proj_with_mqa(h).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         cos, sin = self.rotary(positions, h.dtype)
-        k_rope = apply_rotary(k_rope[:, :, None, :], cos, sin)[:, :, 0, :]
+        k_rope = apply_rotary(k_rope[:, :, None, :], cos, sin, self.interleave)[:, :, 0, :]
         return torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1)
 
     def expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,6 +272,14 @@ class MLAAttention(nn.Module):
     def project_kv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.expand_kv(self.compress_kv(h, positions))
 
+    def cache_kv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a target cache stores: the latent only ([B, T, 1, kv_lora_rank + rope], no values)."""
+        latent = self.compress_kv(h, positions)[:, :, None, :]
+        return latent, latent.new_zeros(*latent.shape[:3], 0)
+
+    def expand_cached(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.expand_kv(k[:, :, 0, :])
+
     def attend(self, q, k, v, mask) -> torch.Tensor:
         return self.o_proj(attend(q, k, v, mask, self.scale))
 
@@ -222,12 +291,13 @@ def make_attention(cfg: DecoderConfig) -> nn.Module:
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer; where keys and values come from is decided by the caller."""
 
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = make_attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        moe = cfg.n_routed_experts > 0 and index >= cfg.first_k_dense_replace
+        self.mlp = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -32,7 +32,7 @@ class TargetModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, index) for index in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -43,11 +43,14 @@ class TargetModel(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def make_cache(self, num_tokens: int, block_size: int) -> PagedKVCache:
+        """GQA: keys and values per KV head. MLA: the compressed latent only (kv_lora_rank + rope dims)."""
         cfg = self.config
-        return PagedKVCache(
-            cfg.num_layers, num_tokens, block_size, cfg.kv_cache_heads, cfg.qk_head_dim, cfg.value_head_dim,
-            self.dtype, self.embed_tokens.weight.device,
-        )
+        if cfg.attention == "mla":
+            heads, key_dim, value_dim = 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, 0
+        else:
+            heads, key_dim, value_dim = cfg.num_kv_heads, cfg.head_dim, cfg.head_dim
+        return PagedKVCache(cfg.num_layers, num_tokens, block_size, heads, key_dim, value_dim, self.dtype,
+                            self.embed_tokens.weight.device)
 
     @torch.inference_mode()
     def forward(
@@ -66,9 +69,8 @@ class TargetModel(nn.Module):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q = attn.project_q(h, positions)
-            k, v = attn.project_kv(h, positions)
-            cache.write(index, meta.write_slots, k, v)
-            keys, values = cache.gather(index, meta.read_slots)
+            cache.write(index, meta.write_slots, *attn.cache_kv(h, positions))
+            keys, values = attn.expand_cached(*cache.gather(index, meta.read_slots))
             x = x + attn.attend(q, keys, values, meta.mask)
             x = layer.feed_forward(x)
             if index in wanted:
@@ -129,11 +131,12 @@ def load_target(path: str | Path, dtype: str = "float32") -> TargetModel:
     if not config_file.is_file():
         raise ConfigError("model_path", f"{path} has no config.json")
     hf = json.loads(config_file.read_text())
-    if hf.get("n_routed_experts"):
-        raise ConfigError("model_type", "mixture-of-experts targets are not supported by this target code")
     cfg = DecoderConfig.from_hf(hf)
     model = TargetModel(cfg)
     state = {k.removeprefix("model."): v for k, v in read_state_dict(path).items()}
+    # DeepSeek-style checkpoints carry multi-token-prediction layers past the decoder stack: not used here
+    state = {k: v for k, v in state.items()
+             if not (k.startswith("layers.") and int(k.split(".")[1]) >= cfg.num_layers)}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = dict(model.state_dict())

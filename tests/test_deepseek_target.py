@@ -1,0 +1,68 @@
+"""The DeepSeek-V3 / Kimi architecture (MLA + mixture of experts) against transformers' own implementation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.kv_cache import PagedKVCache
+from dspark.target_model import load_target
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16,
+        qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+        norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False)
+    model = DeepseekV3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # transformers initialises the router at zero and the bias at zero: make routing matter
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    path = tmp_path_factory.mktemp("deepseek-v3")
+    model.save_pretrained(path)
+    return path, model
+
+
+def run(target, cache: PagedKVCache, ids: torch.Tensor, start: int) -> torch.Tensor:
+    # ids: [1, T] new tokens at positions start..start+T-1 -> logits [T, V]
+    meta = cache.allocator.metadata([0], [start], [ids.shape[1]])
+    return target(ids, start + torch.arange(ids.shape[1])[None], cache, meta).logits[0]
+
+
+def test_logits_match_transformers_prefill_and_verify_on_a_cache(deepseek_dir):
+    path, reference = deepseek_dir
+    target = load_target(path, "float32")
+    cfg = target.config
+    assert cfg.attention == "mla" and cfg.n_routed_experts == 8 and cfg.rope_interleave
+    assert type(target.layers[0].mlp).__name__ == "MLP" and type(target.layers[1].mlp).__name__ == "MoE"
+    torch.manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (1, 20))
+    with torch.no_grad():
+        expected = reference(ids).logits[0]
+    cache = target.make_cache(256, 16)
+    assert cache.keys[0].shape[1:] == (1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)  # the latent, not K/V
+    assert cache.values[0].shape[-1] == 0
+    cache.allocator.reserve(0, 64)
+    prefill = run(target, cache, ids[:, :13], 0)  # prompt
+    verify = run(target, cache, ids[:, 13:], 13)  # a 7-token verify block on top of the cached prompt
+    tolerance = 1e-4
+    assert (prefill - expected[:13]).abs().max().item() < tolerance
+    assert (verify - expected[13:]).abs().max().item() < tolerance
+
+
+def test_moe_routing_uses_several_experts(deepseek_dir):
+    path, _ = deepseek_dir
+    target = load_target(path, "float32")
+    gate = target.layers[1].mlp.gate
+    weights, experts = gate(torch.randn(64, target.config.hidden_size))
+    assert experts.shape == (64, 2) and len(experts.unique()) > 4
+    assert torch.allclose(weights.sum(-1), torch.full((64,), 2.5))  # normalised, then routed_scaling_factor
+    groups = experts // 2  # 8 experts in 4 groups: picks come from at most topk_group = 2 groups
+    assert all(len(set(row)) <= 2 for row in groups.tolist())
