@@ -68,7 +68,7 @@ class Router(Engine):
             raise ConfigError("target.path", f"{target_path} is not a directory (run `dspark prepare`?)")
         engine_cfg = config.engine.to_core(config.target.dtype)
         full_config = read_target_config(target_path)
-        check_divisible(full_config.num_heads, full_config.num_kv_heads, full_config.intermediate_size, rt.tp_size)
+        check_divisible(full_config, rt.tp_size, rt.expert_parallel)
         layers: tuple[int, ...] = ()
         if _speculates(config):
             draft_path = config.resolve(config.draft.path)

@@ -59,7 +59,7 @@ class TargetShard:
         if self.world > 1:
             group = join_group(address, self.rank, self.world, self.backend,
                                self.config.runtime.collective_timeout_s, self._tp_host)
-            shard_target(self.model, self.rank, self.world, all_reduce_fn(group))
+            shard_target(self.model, self.rank, self.world, all_reduce_fn(group), self.config.runtime.expert_parallel)
         engine = self.config.engine
         cache = self.model.make_cache(engine.kv_cache_tokens, engine.kv_block_size)
         self.runner = TargetRunner(self.model, cache, self.feature_layers, engine.verification)

@@ -125,6 +125,7 @@ class MoE(nn.Module):
                                      for _ in range(cfg.n_routed_experts))
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
+        self.local_experts = set(range(cfg.n_routed_experts))  # expert parallelism keeps a subset per rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., hidden]
@@ -132,6 +133,8 @@ class MoE(nn.Module):
         weights, experts = self.gate(flat)
         out = torch.zeros_like(flat)
         for expert in experts.unique().tolist():  # dispatch: each expert runs once on its tokens
+            if expert not in self.local_experts:
+                continue
             token, slot = (experts == expert).nonzero(as_tuple=True)
             contribution = self.experts[expert](flat[token]) * weights[token, slot, None]
             out.index_add_(0, token, contribution.to(out.dtype))

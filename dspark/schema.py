@@ -63,6 +63,9 @@ class RuntimeSpec(_Strict):
     """How one serving replica is laid out on Ray: target shards, drafter, router."""
 
     tp_size: int = Field(1, ge=1, le=64, description="Tensor-parallel target shard actors per replica.")
+    expert_parallel: bool = Field(False, description="Mixture-of-experts targets: give each shard whole experts "
+                                                     "(expert e on shard e % tp_size) instead of slicing every "
+                                                     "expert across the shards.")
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Collective backend between the actors (tensor-parallel all-reduce and the "
                             "target-to-drafter hidden states): 'auto' is nccl with GPUs, gloo without.")

@@ -1,11 +1,17 @@
-"""Megatron-style tensor parallelism for the target, applied in this one place.
+"""Megatron-style tensor parallelism (and expert parallelism) for the target, applied in this one place.
 
 ``shard_target`` turns a whole ``TargetModel`` into rank ``r`` of ``world``: query/key/value
 and gate/up projections keep their rank's heads or columns (column parallel), the output and
 down projections keep the matching input rows and are followed by an all-reduce (row
-parallel). The model code itself never knows it is sharded: the swapped modules have the
-same call signature. Embedding, norms and LM head stay replicated, so every rank ends a
-forward with the full hidden states and logits, and rank 0 can verify and send features.
+parallel). MLA keeps its low-rank ``q_a``/``kv_a`` projections (and so the latent KV cache)
+whole on every rank and splits the per-head ``q_b``/``kv_b``/``o`` projections. A mixture of
+experts is split either by slicing every expert like an MLP (tensor parallel) or, with
+``expert_parallel``, by giving each rank whole experts (expert ``e`` lives on rank
+``e % world``); either way each rank adds its partial output and one all-reduce combines
+them (tokens are already on every rank, so dispatch needs no all-to-all). The model code
+never knows it is sharded: swapped modules keep their call signatures. Embedding, norms,
+router and LM head stay replicated, so every rank ends a forward with the full hidden states
+and logits, and rank 0 can verify and send features.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 from torch import nn
 
 from dspark.config import ConfigError
-from dspark.layers import GQAAttention
+from dspark.layers import MLP, GQAAttention, MLAAttention, MoE
 from dspark.target_model import TargetModel
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the ranks, returns it
@@ -48,33 +54,82 @@ def _slice_linear(linear: nn.Linear, dim: int, index: int, parts: int) -> nn.Lin
     return out
 
 
-def check_divisible(num_heads: int, num_kv_heads: int, intermediate: int, world: int) -> None:
-    for field, value in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads),
-                         ("intermediate_size", intermediate)):
+def check_divisible(cfg, world: int, expert_parallel: bool = False) -> None:
+    """Every split dimension of ``cfg`` (a DecoderConfig) divides by ``world``; errors name the field."""
+    sizes = [("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)]
+    if cfg.attention == "gqa":
+        sizes.append(("num_key_value_heads", cfg.num_kv_heads))
+    if cfg.n_routed_experts:
+        sizes.append(("n_routed_experts", cfg.n_routed_experts) if expert_parallel
+                     else ("moe_intermediate_size", cfg.moe_intermediate_size))
+        if cfg.n_shared_experts:
+            sizes.append(("moe_intermediate_size x n_shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts))
+    for field, value in sizes:
         if value % world:
             raise ConfigError("tp_size", f"{world} does not divide the target's {field} ({value})")
 
 
-def shard_target(model: TargetModel, rank: int, world: int, all_reduce: AllReduce) -> TargetModel:
-    """Shard ``model`` in place for ``rank`` of ``world`` tensor-parallel ranks; returns it."""
-    cfg = model.config
-    if world == 1:
-        return model
-    if cfg.attention != "gqa":
-        raise ConfigError("tp_size", "tensor parallelism of MLA targets is not supported yet; use tp_size 1")
-    check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, world)
-    for layer in model.layers:
-        attn: GQAAttention = layer.self_attn
+def _shard_mlp(mlp: MLP, rank: int, world: int) -> None:
+    """Column-slice gate/up and row-slice down, without the reduce (the caller reduces once)."""
+    mlp.gate_proj = _slice_linear(mlp.gate_proj, 0, rank, world)
+    mlp.up_proj = _slice_linear(mlp.up_proj, 0, rank, world)
+    mlp.down_proj = _slice_linear(mlp.down_proj, 1, rank, world)
+
+
+class ParallelMoE(nn.Module):
+    """A mixture of experts whose rank-local partial output is summed over the ranks."""
+
+    def __init__(self, moe: MoE, rank: int, world: int, expert_parallel: bool, all_reduce: AllReduce):
+        super().__init__()
+        if expert_parallel:
+            moe.local_experts = {e for e in range(len(moe.experts)) if e % world == rank}
+            for e in set(range(len(moe.experts))) - moe.local_experts:
+                moe.experts[e] = nn.Identity()  # weights of other ranks' experts are dropped
+        else:
+            for expert in moe.experts:
+                _shard_mlp(expert, rank, world)
+        if moe.shared_experts is not None:
+            _shard_mlp(moe.shared_experts, rank, world)
+        self.moe, self.all_reduce = moe, all_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(self.moe(x))
+
+
+def _shard_attention(attn: nn.Module, rank: int, world: int, all_reduce: AllReduce) -> None:
+    if isinstance(attn, GQAAttention):
         attn.q_proj = _slice_linear(attn.q_proj, 0, rank, world)
         attn.k_proj = _slice_linear(attn.k_proj, 0, rank, world)
         attn.v_proj = _slice_linear(attn.v_proj, 0, rank, world)
-        attn.o_proj = RowParallelLinear(_slice_linear(attn.o_proj, 1, rank, world), all_reduce)
-        attn.num_heads //= world
         attn.num_kv_heads //= world
-        mlp = layer.mlp
-        mlp.gate_proj = _slice_linear(mlp.gate_proj, 0, rank, world)
-        mlp.up_proj = _slice_linear(mlp.up_proj, 0, rank, world)
-        mlp.down_proj = RowParallelLinear(_slice_linear(mlp.down_proj, 1, rank, world), all_reduce)
-    model.config = dataclasses.replace(cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world,
-                                       intermediate_size=cfg.intermediate_size // world)
+    elif isinstance(attn, MLAAttention):  # the latent path stays whole; per-head projections split by head
+        if hasattr(attn, "q_b_proj"):
+            attn.q_b_proj = _slice_linear(attn.q_b_proj, 0, rank, world)
+        else:
+            attn.q_proj = _slice_linear(attn.q_proj, 0, rank, world)
+        attn.kv_b_proj = _slice_linear(attn.kv_b_proj, 0, rank, world)
+    if attn.o_proj.bias is not None:  # the bias is added once, after the reduce
+        raise ConfigError("tp_size", "row-parallel output projections with a bias are not supported")
+    attn.o_proj = RowParallelLinear(_slice_linear(attn.o_proj, 1, rank, world), all_reduce)
+    attn.num_heads //= world
+
+
+def shard_target(model: TargetModel, rank: int, world: int, all_reduce: AllReduce,
+                 expert_parallel: bool = False) -> TargetModel:
+    """Shard ``model`` in place for ``rank`` of ``world`` ranks; returns it."""
+    cfg = model.config
+    if world == 1:
+        return model
+    check_divisible(cfg, world, expert_parallel)
+    for layer in model.layers:
+        _shard_attention(layer.self_attn, rank, world, all_reduce)
+        if isinstance(layer.mlp, MoE):
+            layer.mlp = ParallelMoE(layer.mlp, rank, world, expert_parallel, all_reduce)
+        else:
+            _shard_mlp(layer.mlp, rank, world)
+            layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, all_reduce)
+    model.config = dataclasses.replace(
+        cfg, num_heads=cfg.num_heads // world,
+        num_kv_heads=cfg.num_kv_heads // world if cfg.attention == "gqa" else cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size // world)
     return model

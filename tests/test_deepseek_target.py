@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,25 +11,36 @@ from dspark.kv_cache import PagedKVCache
 from dspark.target_model import load_target
 
 
-@pytest.fixture(scope="module")
-def deepseek_dir(tmp_path_factory):
+def tiny_deepseek(path, tokenizer_dir, dtype=torch.float32):
+    """A random 3-layer DeepSeek-V3 (1 dense + 2 MoE layers, 8 experts in 4 groups) saved by transformers."""
+    import shutil
+
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
     cfg = DeepseekV3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
         routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16,
         qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
         norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False)
-    model = DeepseekV3ForCausalLM(cfg).float().eval()
+    model = DeepseekV3ForCausalLM(cfg).to(dtype).eval()
     with torch.no_grad():  # transformers initialises the router at zero and the bias at zero: make routing matter
         for layer in model.model.layers[1:]:
             layer.mlp.gate.weight.normal_(0, 0.5)
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
-    path = tmp_path_factory.mktemp("deepseek-v3")
+        for name, param in model.named_parameters():  # larger weights: distinct, stable greedy paths
+            if "norm" not in name and "gate.weight" not in name:
+                param.normal_(0, 0.2)
     model.save_pretrained(path)
+    for file in Path(tokenizer_dir).glob("*token*"):
+        shutil.copy(file, path / file.name)
     return path, model
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory, tiny_target_dir):
+    return tiny_deepseek(tmp_path_factory.mktemp("deepseek-v3"), tiny_target_dir)
 
 
 def run(target, cache: PagedKVCache, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -66,3 +79,53 @@ def test_moe_routing_uses_several_experts(deepseek_dir):
     assert torch.allclose(weights.sum(-1), torch.full((64,), 2.5))  # normalised, then routed_scaling_factor
     groups = experts // 2  # 8 experts in 4 groups: picks come from at most topk_group = 2 groups
     assert all(len(set(row)) <= 2 for row in groups.tolist())
+
+
+@pytest.fixture(scope="module")
+def deepseek64_with_draft(tmp_path_factory, tiny_target_dir):
+    from dspark.checkpoint import save_draft
+    from dspark.draft_model import DSparkDraft
+    from dspark.testing import tiny_draft_config
+
+    path, _ = tiny_deepseek(tmp_path_factory.mktemp("deepseek-v3-f64"), tiny_target_dir, torch.float64)
+    target = load_target(path, "float64")
+    torch.manual_seed(2)
+    draft_dir = tmp_path_factory.mktemp("deepseek-draft")
+    save_draft(DSparkDraft(tiny_draft_config(target.config, block_size=4, layer_ids=(0, 1, 2))), draft_dir)
+    return path, draft_dir
+
+
+def ray_config(path, draft_dir, **runtime):
+    from dspark.schema import EngineFileConfig
+
+    return EngineFileConfig(target={"path": str(path), "dtype": "float64"},
+                            draft={"path": str(draft_dir), "dtype": "float64"},
+                            engine={"max_num_seqs": 4, "kv_cache_tokens": 4096, "scheduler": "full"},
+                            runtime={"shard_threads": 1, "drafter_threads": 1, **runtime})
+
+
+@pytest.mark.parametrize("runtime", [{"tp_size": 2}, {"tp_size": 2, "expert_parallel": True}])
+def test_tensor_and_expert_parallel_shards_match_tp1_with_a_dspark_head(ray_cluster, deepseek64_with_draft,
+                                                                         tiny_tokenizer, runtime):
+    from actors.router import Router
+    from dspark.config import SamplingParams
+    from dspark.loader import build_engine
+
+    path, draft_dir = deepseek64_with_draft
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    prompts = [tiny_tokenizer.encode(t)[:24] for t in ("def main(argv):", "import os, sys", "class Parser:")]
+    target_only = [r.token_ids for r in build_engine(ray_config(path, draft_dir), speculate=False).generate(
+        prompts, params)]
+    reference = Router(ray_config(path, draft_dir))  # TP=1 on the Ray path, speculating
+    try:
+        tp1 = [r.token_ids for r in reference.generate(prompts, params)]
+    finally:
+        reference.shutdown()
+    sharded = Router(ray_config(path, draft_dir, **runtime))
+    try:
+        outputs = [r.token_ids for r in sharded.generate(prompts, params)]
+        drafts = sharded.metrics.num_drafts
+    finally:
+        sharded.shutdown()
+    assert tp1 == target_only  # the DSpark head end to end on this target: exactly the target's output
+    assert outputs == tp1 and drafts > 0
