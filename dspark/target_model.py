@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from dspark.config import ConfigError, DecoderConfig
+from dspark.fp8 import dequantize_state
 from dspark.kv_cache import AttentionMetadata, PagedKVCache
 from dspark.layers import DecoderLayer, RMSNorm
 
@@ -134,6 +135,15 @@ def load_target(path: str | Path, dtype: str = "float32") -> TargetModel:
     cfg = DecoderConfig.from_hf(hf)
     model = TargetModel(cfg)
     state = {k.removeprefix("model."): v for k, v in read_state_dict(path).items()}
+    quant = hf.get("quantization_config") or {}
+    if quant:
+        if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
+            raise ConfigError("quantization_config", f"only fp8 e4m3 block quantisation is supported, got {quant}")
+        block = tuple(quant.get("weight_block_size") or (128, 128))
+        try:
+            state = dequantize_state(state, block, DTYPES[dtype])  # CPU has no FP8 matmul: dequantise at load
+        except ValueError as exc:
+            raise ConfigError("checkpoint", str(exc)) from None
     # DeepSeek-style checkpoints carry multi-token-prediction layers past the decoder stack: not used here
     state = {k: v for k, v in state.items()
              if not (k.startswith("layers.") and int(k.split(".")[1]) >= cfg.num_layers)}

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from dspark.config import ConfigError
 from dspark.kv_cache import PagedKVCache
 from dspark.target_model import load_target
 
 
-def tiny_deepseek(path, tokenizer_dir, dtype=torch.float32):
+def tiny_deepseek(path, tokenizer_dir, dtype=torch.float32, weight_std: float | None = 0.2):
     """A random 3-layer DeepSeek-V3 (1 dense + 2 MoE layers, 8 experts in 4 groups) saved by transformers."""
     import shutil
 
@@ -30,8 +31,8 @@ def tiny_deepseek(path, tokenizer_dir, dtype=torch.float32):
             layer.mlp.gate.weight.normal_(0, 0.5)
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
         for name, param in model.named_parameters():  # larger weights: distinct, stable greedy paths
-            if "norm" not in name and "gate.weight" not in name:
-                param.normal_(0, 0.2)
+            if weight_std and "norm" not in name and "gate.weight" not in name:
+                param.normal_(0, weight_std)
     model.save_pretrained(path)
     for file in Path(tokenizer_dir).glob("*token*"):
         shutil.copy(file, path / file.name)
@@ -129,3 +130,46 @@ def test_tensor_and_expert_parallel_shards_match_tp1_with_a_dspark_head(ray_clus
         sharded.shutdown()
     assert tp1 == target_only  # the DSpark head end to end on this target: exactly the target's output
     assert outputs == tp1 and drafts > 0
+
+
+def test_fp8_block_quantised_checkpoint_loads_close_to_the_original(tiny_target_dir, tmp_path):
+    """Quantise every projection of the tiny model to e4m3 with 32x32 block scales, as DeepSeek/Kimi publish."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dspark.fp8 import quantize
+
+    path, _ = tiny_deepseek(tmp_path / "original", tiny_target_dir, weight_std=None)  # transformers' own init
+    fp8_dir = tmp_path / "fp8"
+    shutil.copytree(path, fp8_dir)
+    state = load_file(str(fp8_dir / "model.safetensors"))
+    quantised = {}
+    for name, tensor in state.items():
+        if name.endswith("_proj.weight") and tensor.dim() == 2:  # attention and expert projections, not norms
+            quantised[name], quantised[name + "_scale_inv"] = quantize(tensor, (32, 32))
+        else:
+            quantised[name] = tensor
+    assert sum(t.dtype == torch.float8_e4m3fn for t in quantised.values()) > 20
+    save_file(quantised, str(fp8_dir / "model.safetensors"))
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [32, 32]}
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    original, fp8 = load_target(path, "float32"), load_target(fp8_dir, "float32")
+    ids = torch.randint(0, original.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(3))
+    logits = []
+    for model in (original, fp8):
+        cache = model.make_cache(256, 16)
+        cache.allocator.reserve(0, 32)
+        logits.append(run(model, cache, ids, 0))
+    # e4m3 keeps 3 mantissa bits (~2.7% rms weight error at these scales): stated tolerance, relative to the
+    # spread of the original logits: rms error below 5%, worst logit below 25%
+    diff, spread = logits[1] - logits[0], logits[0].std()
+    assert diff.pow(2).mean().sqrt() / spread < 0.05 and diff.abs().max() / spread < 0.25
+    assert (logits[1].argmax(-1) == logits[0].argmax(-1)).float().mean() > 0.8
+    config["quantization_config"]["quant_method"] = "awq"
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="quantization_config"):
+        load_target(fp8_dir, "float32")
