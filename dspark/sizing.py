@@ -1,0 +1,148 @@
+"""Memory and traffic sizing of a deployment, computed from its configs (no weights needed).
+
+    python -m dspark.sizing --target configs/targets/kimi-k3.1-pro.json \\
+        --draft configs/drafts/kimi-k3.1-pro-dspark.json --gpus 8 [--expert-parallel] [--batch 64 --tau 3.3]
+
+Prints, per GPU, the target's weight bytes under the chosen parallelism (attention and dense
+MLPs split by tensor parallelism, experts split or owned whole, embedding/LM head replicated
+as this project does), the target's KV-cache bytes per token (MLA stores one latent per token
+and layer, replicated on every rank), the draft's weights and cache, and the hidden-state bytes
+the target sends the drafter per verify step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dspark.checkpoint import draft_config_from_json
+from dspark.config import DecoderConfig, DraftConfig
+
+GIB = 1 << 30
+
+
+@dataclass
+class Sizing:
+    gpus: int
+    expert_parallel: bool
+    target_params: float
+    target_weight_bytes_per_gpu: float
+    target_kv_bytes_per_token_per_gpu: float
+    draft_weight_bytes: float
+    draft_kv_bytes_per_token: float
+    feature_bytes_per_token: float
+    feature_bytes_per_step: float
+
+
+def _attention_params(cfg: DecoderConfig) -> tuple[float, float]:
+    """(replicated, split) parameter counts of one attention layer."""
+    h = cfg.hidden_size
+    if cfg.attention == "mla":
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        q_a = h * cfg.q_lora_rank + cfg.q_lora_rank if cfg.q_lora_rank else 0
+        q_b = (cfg.q_lora_rank or h) * cfg.num_heads * qk
+        kv_a = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
+        kv_b = cfg.kv_lora_rank * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        o = cfg.num_heads * cfg.v_head_dim * h
+        return q_a + kv_a, q_b + kv_b + o
+    q = h * cfg.num_heads * cfg.head_dim
+    kv = 2 * h * cfg.num_kv_heads * cfg.head_dim
+    return 0.0, q + kv + cfg.num_heads * cfg.head_dim * h
+
+
+def target_sizing(cfg: DecoderConfig, gpus: int, expert_parallel: bool, weight_bytes: float = 1.0,
+                  kv_bytes: float = 2.0) -> tuple[float, float, float]:
+    """(total parameters, weight bytes per GPU, KV bytes per token per GPU)."""
+    h, layers = cfg.hidden_size, cfg.num_layers
+    replicated = 2 * cfg.vocab_size * h + h  # embedding, LM head, final norm (bf16 in practice, counted below)
+    per_gpu = 0.0
+    total = float(replicated)
+    for index in range(layers):
+        rep, split = _attention_params(cfg)
+        rep += 2 * h  # norms
+        moe = cfg.n_routed_experts and index >= cfg.first_k_dense_replace
+        if moe:
+            expert = 3 * h * cfg.moe_intermediate_size
+            routed = cfg.n_routed_experts * expert
+            shared = cfg.n_shared_experts * expert
+            rep += cfg.n_routed_experts * h + cfg.n_routed_experts  # router and its bias
+            per_gpu_ffn = (routed / gpus if not expert_parallel else -(-cfg.n_routed_experts // gpus) * expert)
+            per_gpu_ffn += shared / gpus
+            total += routed + shared
+        else:
+            dense = 3 * h * cfg.intermediate_size
+            per_gpu_ffn = dense / gpus
+            total += dense
+        total += rep + split
+        per_gpu += (rep + split / gpus + per_gpu_ffn) * weight_bytes
+    per_gpu += replicated * 2.0  # embedding and LM head stay bf16 (not block-quantised)
+    if cfg.attention == "mla":
+        kv = layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * kv_bytes  # latent, replicated on each rank
+    else:
+        kv = layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes / gpus
+    return total, per_gpu, kv
+
+
+def draft_sizing(draft: DraftConfig, dtype_bytes: float = 2.0) -> tuple[float, float]:
+    """(draft weight bytes without the shared embedding/LM head, context KV bytes per token)."""
+    b = draft.backbone
+    attn_rep, attn_split = _attention_params(b)
+    layer = attn_rep + attn_split + 3 * b.hidden_size * b.intermediate_size + 2 * b.hidden_size
+    fc = len(draft.target_layer_ids) * draft.target_hidden_size * b.hidden_size
+    markov = draft.markov_rank * (b.vocab_size + b.hidden_size) if draft.markov_rank else 0
+    weights = (b.num_layers * layer + fc + markov) * dtype_bytes
+    kv = b.num_layers * b.kv_cache_heads * (b.qk_head_dim + b.value_head_dim) * dtype_bytes
+    return weights, kv
+
+
+def sizing(target: DecoderConfig, draft: DraftConfig, gpus: int, expert_parallel: bool, batch: int,
+           tau: float, weight_bytes: float = 1.0) -> Sizing:
+    total, per_gpu, kv = target_sizing(target, gpus, expert_parallel, weight_bytes)
+    draft_weights, draft_kv = draft_sizing(draft)
+    feature = len(draft.target_layer_ids) * target.hidden_size * 2.0  # bf16 hidden states per committed token
+    return Sizing(gpus, expert_parallel, total, per_gpu, kv, draft_weights, draft_kv, feature,
+                  feature * batch * tau)
+
+
+def _read(path: str) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True, help="target config.json")
+    parser.add_argument("--draft", required=True, help="draft config.json (speculators layout)")
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--expert-parallel", action="store_true")
+    parser.add_argument("--batch", type=int, default=64, help="sequences per verify step")
+    parser.add_argument("--tau", type=float, default=3.3, help="acceptance length (committed tokens per step)")
+    parser.add_argument("--weight-bytes", type=float, default=1.0, help="bytes per target weight (1 = FP8)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    target = DecoderConfig.from_hf(_read(args.target))
+    draft = draft_config_from_json(_read(args.draft))
+    s = sizing(target, draft, args.gpus, args.expert_parallel, args.batch, args.tau, args.weight_bytes)
+    if args.json:
+        print(json.dumps(asdict(s), indent=1))
+        return 0
+    mode = "expert parallel" if s.expert_parallel else "tensor parallel"
+    rows = [
+        ("target parameters", f"{s.target_params / 1e9:.0f} B"),
+        (f"target weights per GPU ({mode}, {s.gpus} GPUs)", f"{s.target_weight_bytes_per_gpu / GIB:.1f} GiB"),
+        ("target KV cache per token per GPU (MLA latent)", f"{s.target_kv_bytes_per_token_per_gpu / 1024:.1f} KiB"),
+        ("draft weights (embedding/LM head shared)", f"{s.draft_weight_bytes / GIB:.2f} GiB"),
+        ("draft context cache per token", f"{s.draft_kv_bytes_per_token / 1024:.1f} KiB"),
+        ("hidden states sent to the drafter per token", f"{s.feature_bytes_per_token / 1024:.1f} KiB"),
+        (f"... per verify step (batch {args.batch}, tau {args.tau})",
+         f"{s.feature_bytes_per_step / (1 << 20):.1f} MiB"),
+    ]
+    print("| quantity | value |\n|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""The full-size Kimi-K3.1-Pro configs: the target parses, both seed drafts fit it, and the sizing script runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dspark.checkpoint import check_compatible, draft_config_from_json
+from dspark.config import DecoderConfig
+from dspark.sizing import main, sizing
+
+from conftest import REPO
+
+TARGET = REPO / "configs" / "targets" / "kimi-k3.1-pro.json"
+DRAFTS = sorted((REPO / "configs" / "drafts").glob("kimi-*.json"))
+
+
+def test_kimi_target_config_describes_the_seeds_target():
+    cfg = DecoderConfig.from_hf(json.loads(TARGET.read_text()))
+    assert (cfg.hidden_size, cfg.num_layers, cfg.attention, cfg.n_routed_experts) == (7168, 93, "mla", 384)
+    assert cfg.rope.scaling_type == "yarn" and cfg.rope_interleave
+    for path in DRAFTS:
+        draft = draft_config_from_json(json.loads(path.read_text()))
+        check_compatible(draft, cfg)  # raises naming the field if the draft cannot read this target
+        assert draft.target_layer_ids == (7, 23, 67, 83, 91)
+
+
+def test_sizing_of_kimi_on_eight_gpus(capsys):
+    cfg = DecoderConfig.from_hf(json.loads(TARGET.read_text()))
+    draft = draft_config_from_json(json.loads(DRAFTS[0].read_text()))
+    tp = sizing(cfg, draft, 8, False, batch=64, tau=3.3)
+    ep = sizing(cfg, draft, 8, True, batch=64, tau=3.3)
+    assert 1.4e12 < tp.target_params < 1.7e12  # K2's 1.04T at 61 layers, scaled to 93 layers
+    assert tp.target_weight_bytes_per_gpu < 268 * 2**30  # fits a B300's HBM at FP8 with room for the cache
+    assert ep.target_weight_bytes_per_gpu == pytest.approx(tp.target_weight_bytes_per_gpu, rel=0.01)
+    assert tp.target_kv_bytes_per_token_per_gpu == 93 * (512 + 64) * 2  # one bf16 latent per token and layer
+    assert tp.feature_bytes_per_step == pytest.approx(5 * 7168 * 2 * 64 * 3.3)
+    assert main(["--target", str(TARGET), "--draft", str(DRAFTS[0]), "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "target weights per GPU" in out and "GiB" in out
