@@ -166,12 +166,13 @@ class Engine:
     def _run_round(self, round_: _Round) -> None:
         """Verify one round on the target and commit it."""
         t0, start_ns = time.perf_counter(), time.time_ns()
-        prefill = [r.num_cached == 0 for r in round_.requests]
+        prefill = [r.num_cached == 0 for r in round_.requests] if self.on_phase is not None else []
         output = self.target.run(self._verify_batch(round_))
         self.timings["verify"] += time.perf_counter() - t0
         self._commit(round_, output)
-        self._phase("verify", start_ns, round_.requests, prefill=prefill,
-                    verified=round_.lengths.tolist(), accepted=output.result.num_accepted.tolist())
+        if self.on_phase is not None:  # tracing only: no extra work on the hot path otherwise
+            self._phase("verify", start_ns, round_.requests, prefill=prefill,
+                        verified=round_.lengths.tolist(), accepted=output.result.num_accepted.tolist())
 
     def _phase(self, name: str, start_ns: int, requests: list[Request], **per_request: list) -> None:
         if self.on_phase is not None:
