@@ -80,7 +80,7 @@ def test_degraded_acceptance_adds_a_replica(serve_instance, tmp_path):
     data["draft"]["path"] = str(base.resolve(base.draft.path))
     data["engine"].update(scheduler="full", max_num_seqs=4)
     data["runtime"].update(shard_cpus=0.3, drafter_cpus=0.3, shard_threads=1, drafter_threads=1)
-    data["serving"].update(router_cpus=0.3, max_queued_requests=64, autoscaling={
+    data["serving"].update(load_aware_speculation=False, router_cpus=0.3, max_queued_requests=64, autoscaling={
         "min_replicas": 1, "max_replicas": 2, "target_utilisation": 0.8, "hysteresis": 0.1, "drain_horizon_s": 10,
         "downscale_cycles": 3, "metrics_interval_s": 1, "look_back_period_s": 5, "upscale_delay_s": 2,
         "downscale_delay_s": 5})

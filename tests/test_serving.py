@@ -43,7 +43,8 @@ def served(serve_instance, tmp_path_factory):
     config_dir = tmp_path_factory.mktemp("config")
     data = base.model_dump(exclude={"base_dir"})
     data["draft"]["path"] = str(base.resolve(base.draft.path))
-    data["serving"].update(api_key_file=str(key_file), max_concurrent_requests=MAX_CONCURRENT,
+    data["serving"].update(load_aware_speculation=False, api_key_file=str(key_file),
+                           max_concurrent_requests=MAX_CONCURRENT,
                            max_queued_requests=MAX_QUEUED, max_tokens_limit=64, max_prompt_tokens=512)
     data["engine"].update(max_num_seqs=MAX_CONCURRENT, scheduler="full")  # deterministic blocks: bench comparison
     path = config_dir / "served.yaml"
