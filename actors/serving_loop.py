@@ -84,6 +84,11 @@ class ServingLoop:
 
     # ------------------------------------------------------------------ handler side (event loop)
     @property
+    def alive(self) -> bool:
+        """The loop thread is running (the replica's health check)."""
+        return self._thread.is_alive()
+
+    @property
     def in_flight(self) -> int:
         return len(self._streams)
 

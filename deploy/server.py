@@ -167,7 +167,7 @@ class DSparkServer:
         return self.loop.autoscaling_stats()
 
     def check_health(self) -> None:
-        if not self.loop._thread.is_alive():
+        if not self.loop.alive:
             raise RuntimeError("serving loop stopped")
 
     def __del__(self):
@@ -400,7 +400,7 @@ class DSparkServer:
             self._grpc_fail(grpc_context, exc)
 
     def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:  # noqa: N802
-        alive = self.loop._thread.is_alive()
+        alive = self.loop.alive
         status = health_pb2.HealthCheckResponse.SERVING if alive else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)
 
