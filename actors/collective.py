@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dspark.config import ConfigError
+
 FEATURE_TAG = 7
 
 
@@ -32,6 +34,33 @@ def node_ip() -> str:
         return ray.util.get_node_ip_address()
     except Exception:  # outside Ray (unit tests of this module)
         return "127.0.0.1"
+
+
+def device_placement() -> str:
+    """Where this actor computes: ``"cpu"``, or ``"<node id>/gpu<ids>"`` for the GPUs Ray gave it."""
+    import ray
+
+    context = ray.get_runtime_context()
+    gpus = context.get_accelerator_ids().get("GPU", [])
+    return f"{context.get_node_id()}/gpu{','.join(map(str, gpus))}" if gpus else "cpu"
+
+
+def feature_source(shard_placements: list[str], drafter_placement: str, configured: int | None = None) -> int:
+    """The target shard that sends hidden states to the drafter.
+
+    Every shard holds the full hidden states after its all-reduce, so any can send. NCCL refuses
+    two ranks of one communicator on the same GPU, so with a drafter sharing a GPU with a shard
+    (fractional GPUs on a full 8-GPU node) the sender must be another shard.
+    """
+    if configured is not None:
+        return configured  # validated against tp_size by RuntimeSpec
+    if drafter_placement == "cpu":
+        return 0
+    for rank, placement in enumerate(shard_placements):
+        if placement != drafter_placement:
+            return rank
+    raise ConfigError("runtime.drafter_gpus", "every target shard shares the drafter's GPU and NCCL cannot connect "
+                                              "two ranks on one GPU: give the drafter a GPU of its own")
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:

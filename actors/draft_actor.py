@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from actors.collective import FeatureChannel, TransportCounters, join_group, resolve_backend
+from actors.collective import FeatureChannel, TransportCounters, device_placement, join_group, resolve_backend
 from dspark.checkpoint import load_draft
 from dspark.draft_model import DraftProposal
 from dspark.drafter import DraftInputs, DSparkDrafter
@@ -103,6 +103,9 @@ class DraftWorker:
 
     def ping(self) -> bool:
         return True
+
+    def placement(self) -> str:
+        return device_placement()
 
 
 @dataclass

@@ -29,6 +29,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.collective import feature_source
 from actors.draft_actor import DraftWorker, RemoteDrafter
 from actors.target_actor import RemoteTarget, TargetShard
 from dspark.checkpoint import draft_config_from_json
@@ -88,6 +89,7 @@ class Router(Engine):
         self.placement, self.bundle_offset = placement, bundle_offset
         self.shards, self.drafter, self._pending_drafter = [], None, None
         self.drafter_restarts = 0
+        self.feature_shard = 0  # the shard with the feature channel (set on connect)
         self._inflight: dict[int, tuple[list[Request], ray.ObjectRef]] = {}
         self._admitted = 0
         try:
@@ -130,15 +132,18 @@ class Router(Engine):
         return {"env_vars": {"OMP_WAIT_POLICY": self.file_config.runtime.omp_wait_policy.upper()}}
 
     def _connect(self, actor) -> None:
-        """Open a feature channel between target shard 0 and a drafter actor."""
-        address = ray.get(self.shards[0].open_channel.remote())
-        ray.get([self.shards[0].join_channel.remote(address), actor.join_channel.remote(address)],
+        """Open a feature channel between the feature shard and a drafter actor."""
+        placements = ray.get([shard.placement.remote() for shard in self.shards] + [actor.placement.remote()])
+        self.feature_shard = feature_source(placements[:-1], placements[-1], self.file_config.runtime.feature_shard)
+        sender = self.shards[self.feature_shard]
+        address = ray.get(sender.open_channel.remote())
+        ray.get([sender.join_channel.remote(address), actor.join_channel.remote(address)],
                 timeout=self.file_config.runtime.collective_timeout_s)
 
     def _recover_drafter(self) -> None:
         """After a failure: replace the actor in the background, reconnect once it is up."""
         if self._pending_drafter is None:
-            ray.get(self.shards[0].drop_channel.remote())
+            ray.get(self.shards[self.feature_shard].drop_channel.remote())
             ray.kill(self.drafter.actor, no_restart=True)
             self._inflight.clear()
             for request in self.running:  # their context lived in the dead actor: finish without drafts
@@ -232,7 +237,7 @@ class Router(Engine):
     # ------------------------------------------------------------------ telemetry
     def transport_stats(self) -> dict:
         """Feature-channel counters of both ends (bytes that did NOT go through the object store)."""
-        sender = ray.get(self.shards[0].stats.remote())
+        sender = ray.get(self.shards[self.feature_shard].stats.remote())
         receiver = ray.get(self.drafter.actor.stats.remote()) if self.drafter and self.drafter.available else None
         return {"target": sender, "drafter": receiver, "drafter_restarts": self.drafter_restarts,
                 "object_store_feature_bytes": self.target.returned_feature_bytes}

@@ -20,6 +20,7 @@ from actors.collective import (
     StoreHost,
     TransportCounters,
     all_reduce_fn,
+    device_placement,
     join_group,
     resolve_backend,
 )
@@ -65,7 +66,7 @@ class TargetShard:
         self.runner = TargetRunner(self.model, cache, self.feature_layers, engine.verification)
 
     def open_channel(self) -> tuple[str, int]:
-        """Host the rendezvous of a new feature channel to a (new) drafter (shard 0 only)."""
+        """Host the rendezvous of a new feature channel to a (new) drafter (the feature shard only)."""
         self.channel = None
         self._channel_host = StoreHost(2, self.config.runtime.collective_timeout_s)
         return self._channel_host.address
@@ -84,14 +85,14 @@ class TargetShard:
         start = time.perf_counter()
         output = self.runner.run(batch.to(self.device))
         self.run_seconds += time.perf_counter() - start
-        if self.rank != 0:
-            return None
         if self.channel is not None and bool(batch.want_features.any()):
             try:
                 self.channel.send(output.packed_features(batch.want_features.to(self.device)))
             except RuntimeError:  # the drafter died mid-transfer; the router notices on its side
                 self.channel_errors += 1
                 self.drop_channel()
+        if self.rank != 0:
+            return None
         result = output.result
         return VerifyOutput(type(result)(result.tokens.cpu(), result.num_accepted.cpu()), output.kept.cpu(), None)
 
@@ -106,6 +107,9 @@ class TargetShard:
 
     def ping(self) -> bool:
         return True
+
+    def placement(self) -> str:
+        return device_placement()
 
 
 class RemoteTarget:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dspark.config import ConfigError, EngineConfig, SamplingParams
 
@@ -89,6 +89,15 @@ class RuntimeSpec(_Strict):
     drafter_timeout_s: float = Field(30.0, gt=0, description="A draft call slower than this counts as a drafter "
                                                              "failure: the router decodes without it and restarts it.")
     collective_timeout_s: float = Field(60.0, gt=0, description="Timeout of collective operations and rendezvous.")
+    feature_shard: int | None = Field(None, ge=0, description="Target shard that sends the hidden states to the "
+                                                              "drafter (None: the first shard not on the drafter's "
+                                                              "GPU, since NCCL cannot join two ranks on one GPU).")
+
+    @model_validator(mode="after")
+    def _feature_shard_exists(self) -> RuntimeSpec:
+        if self.feature_shard is not None and self.feature_shard >= self.tp_size:
+            raise ValueError(f"feature_shard {self.feature_shard} is not a shard (tp_size {self.tp_size})")
+        return self
 
 
 class AutoscalingSpec(_Strict):

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from actors.collective import feature_source
 from actors.router import Router, replica_bundles
 from dspark.config import ConfigError, SamplingParams
 from dspark.loader import build_engine, encode_prompt
@@ -56,11 +57,15 @@ def test_ray_path_equals_in_process_greedy(ray_cluster, tiny_target_dir, tiny_dr
     assert router.metrics.num_drafts > 0, "the drafter actor must have drafted"
 
 
-def test_hidden_states_travel_by_the_collective_channel(ray_cluster, tiny_target_dir, tiny_draft_dir, tiny_prompts):
-    config = tiny_config(tiny_target_dir, tiny_draft_dir)
+@pytest.mark.parametrize("runtime", [{}, {"tp_size": 2, "feature_shard": 1}], ids=["tp1", "tp2-from-shard1"])
+def test_hidden_states_travel_by_the_collective_channel(ray_cluster, tiny_target_dir, tiny_draft_dir, tiny_prompts,
+                                                        in_process_greedy, runtime):
+    config = tiny_config(tiny_target_dir, tiny_draft_dir, **runtime)
     router = Router(config)
     try:
         results = router.generate(tiny_prompts, GREEDY)
+        assert [r.token_ids for r in results] == in_process_greedy
+        assert router.feature_shard == runtime.get("feature_shard", 0)
         stats = router.transport_stats()
         width = len(router.feature_layers) * router.target.config.hidden_size
     finally:
@@ -73,6 +78,20 @@ def test_hidden_states_travel_by_the_collective_channel(ray_cluster, tiny_target
     assert 0 < received["rows"] <= sent["rows"] and received["bytes"] == received["rows"] * width * 8
     # what the shard actors return to the router carries no hidden states
     assert stats["object_store_feature_bytes"] == 0 and stats["target"]["channel_errors"] == 0
+    assert stats["target"]["rank"] == router.feature_shard
+
+
+def test_feature_source_avoids_the_drafters_gpu():
+    # 8 shards on 8 GPUs with the drafter on GPU 0 (fractional): NCCL cannot pair ranks on one GPU
+    shards = [f"node/gpu{i}" for i in range(8)]
+    assert feature_source(shards, "node/gpu0") == 1
+    assert feature_source(shards, "node/gpu5") == 0
+    assert feature_source(["cpu", "cpu"], "cpu") == 0
+    assert feature_source(shards, "node/gpu0", configured=3) == 3
+    with pytest.raises(ConfigError, match="runtime.drafter_gpus"):
+        feature_source(["node/gpu0"], "node/gpu0")
+    with pytest.raises(ValueError, match="feature_shard 2 is not a shard"):
+        tiny_config("t", "d", tp_size=2, feature_shard=2)
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
