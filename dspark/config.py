@@ -233,12 +233,16 @@ class DecoderConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
-    def kv_cache_heads(self) -> int:
-        return self.num_heads if self.attention == "mla" else self.num_kv_heads
-
-    @property
     def value_head_dim(self) -> int:
         return self.v_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def cache_geometry(self) -> tuple[int, int, int]:
+        """(heads, key dim, value dim) of one cached token and layer. GQA: keys and values per KV
+        head. MLA: the compressed latent only (kv_lora_rank + rope dims), expanded when read."""
+        if self.attention == "mla":
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim
 
 
 @dataclass(frozen=True)

@@ -91,11 +91,9 @@ class DSparkDraft(nn.Module):
         return self._shared["lm_head"]
 
     def make_cache(self, num_tokens: int, block_size: int) -> PagedKVCache:
-        bb = self.config.backbone
-        return PagedKVCache(
-            bb.num_layers, num_tokens, block_size, bb.kv_cache_heads, bb.qk_head_dim, bb.value_head_dim,
-            self.fc.weight.dtype, self.fc.weight.device,
-        )
+        bb = self.config.backbone  # MLA drafts cache the latent only, like MLA targets
+        return PagedKVCache(bb.num_layers, num_tokens, block_size, *bb.cache_geometry, self.fc.weight.dtype,
+                            self.fc.weight.device)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         # features: [..., K * target_hidden] -> [..., hidden]
@@ -130,9 +128,9 @@ class DSparkDraft(nn.Module):
                              else torch.ones(batch, context.shape[1], dtype=torch.bool, device=x.device))
             else:
                 if context.shape[1]:
-                    k_new, v_new = attn.project_kv(context, context_positions)
+                    k_new, v_new = attn.cache_kv(context, context_positions)
                     cache.write(index, meta.write_slots, k_new, v_new)
-                k_ctx, v_ctx = cache.gather(index, meta.read_slots)
+                k_ctx, v_ctx = attn.expand_cached(*cache.gather(index, meta.read_slots))
                 ctx_valid = meta.key_valid
             keys = torch.cat((k_ctx.to(k_block.dtype), k_block), dim=1)
             values = torch.cat((v_ctx.to(v_block.dtype), v_block), dim=1)

@@ -28,6 +28,9 @@ class TargetSpec(_Strict):
                                   "relative to the YAML file.")
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
         "float32", description="Compute dtype of the target weights and KV cache.")
+    architecture: str | None = Field(None, description="A config.json describing the target, for sizing and "
+                                                       "validating a deployment before its weights are on this "
+                                                       "machine (default: the one in path).")
 
 
 class DraftSpec(_Strict):
@@ -35,6 +38,9 @@ class DraftSpec(_Strict):
                                                "None serves the target alone.")
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
         "float32", description="Compute dtype of the draft head and its context cache.")
+    architecture: str | None = Field(None, description="A speculators config.json describing the draft, for "
+                                                       "sizing before its weights are here (default: the one in "
+                                                       "path).")
 
 
 class EngineSpec(_Strict):

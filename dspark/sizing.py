@@ -1,7 +1,13 @@
 """Memory and traffic sizing of a deployment, computed from its configs (no weights needed).
 
+    python -m dspark.sizing --config configs/kimi-k3.1-pro-b300.yaml [--tau 3.3] [--gpu-memory-gib 268]
     python -m dspark.sizing --target configs/targets/kimi-k3.1-pro.json \\
         --draft configs/drafts/kimi-k3.1-pro-dspark.json --gpus 8 [--expert-parallel] [--batch 64 --tau 3.3]
+
+With ``--config`` (a serving YAML) the GPUs, parallelism, batch and KV budget come from the
+config and the architectures from ``target.architecture`` / ``draft.architecture`` (or the
+checkpoints' own config.json), and the table ends with whether the weights plus the configured
+KV budget fit the GPU's memory.
 
 Prints, per GPU, the target's weight bytes under the chosen parallelism (attention and dense
 MLPs split by tensor parallelism, experts split or owned whole, embedding/LM head replicated
@@ -78,10 +84,10 @@ def target_sizing(cfg: DecoderConfig, gpus: int, expert_parallel: bool, weight_b
         total += rep + split
         per_gpu += (rep + split / gpus + per_gpu_ffn) * weight_bytes
     per_gpu += replicated * 2.0  # embedding and LM head stay bf16 (not block-quantised)
-    if cfg.attention == "mla":
-        kv = layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * kv_bytes  # latent, replicated on each rank
-    else:
-        kv = layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes / gpus
+    heads, key_dim, value_dim = cfg.cache_geometry
+    kv = layers * heads * (key_dim + value_dim) * kv_bytes
+    if cfg.attention != "mla":
+        kv /= gpus  # KV heads split by tensor parallelism; the MLA latent is replicated on each rank
     return total, per_gpu, kv
 
 
@@ -93,7 +99,8 @@ def draft_sizing(draft: DraftConfig, dtype_bytes: float = 2.0) -> tuple[float, f
     fc = len(draft.target_layer_ids) * draft.target_hidden_size * b.hidden_size
     markov = draft.markov_rank * (b.vocab_size + b.hidden_size) if draft.markov_rank else 0
     weights = (b.num_layers * layer + fc + markov) * dtype_bytes
-    kv = b.num_layers * b.kv_cache_heads * (b.qk_head_dim + b.value_head_dim) * dtype_bytes
+    heads, key_dim, value_dim = b.cache_geometry
+    kv = b.num_layers * heads * (key_dim + value_dim) * dtype_bytes
     return weights, kv
 
 
@@ -106,26 +113,74 @@ def sizing(target: DecoderConfig, draft: DraftConfig, gpus: int, expert_parallel
                   feature * batch * tau)
 
 
-def _read(path: str) -> dict:
+def _read(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+@dataclass
+class Deployment:
+    """What a serving YAML says about one replica, for sizing."""
+
+    target: DecoderConfig
+    draft: DraftConfig | None
+    gpus: int
+    expert_parallel: bool
+    batch: int
+    kv_cache_tokens: int
+    weight_bytes: float
+
+
+def _architecture(config, spec) -> dict:
+    path = config.resolve(spec.architecture) if spec.architecture else config.resolve(spec.path) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no architecture for {spec.path}: {path} missing (set .architecture)")
+    return _read(path)
+
+
+def deployment_from_config(path: str | Path) -> Deployment:
+    from dspark.schema import load_engine_config
+
+    config = load_engine_config(path)
+    target_json = _architecture(config, config.target)
+    draft = draft_config_from_json(_architecture(config, config.draft)) if config.draft.path else None
+    quant = target_json.get("quantization_config") or {}
+    weight_bytes = 1.0 if quant.get("quant_method") == "fp8" else {"float32": 4.0, "float64": 8.0}.get(
+        config.target.dtype, 2.0)
+    return Deployment(DecoderConfig.from_hf(target_json), draft, config.runtime.tp_size,
+                      config.runtime.expert_parallel, config.engine.max_num_seqs, config.engine.kv_cache_tokens,
+                      weight_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", required=True, help="target config.json")
-    parser.add_argument("--draft", required=True, help="draft config.json (speculators layout)")
+    parser.add_argument("--config", help="serving YAML: GPUs, parallelism, batch and KV budget from it")
+    parser.add_argument("--target", help="target config.json (without --config)")
+    parser.add_argument("--draft", help="draft config.json, speculators layout (without --config)")
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--expert-parallel", action="store_true")
     parser.add_argument("--batch", type=int, default=64, help="sequences per verify step")
     parser.add_argument("--tau", type=float, default=3.3, help="acceptance length (committed tokens per step)")
     parser.add_argument("--weight-bytes", type=float, default=1.0, help="bytes per target weight (1 = FP8)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=268.0,
+                        help="memory per GPU for the fit check (B300: 288 GB = 268 GiB)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    target = DecoderConfig.from_hf(_read(args.target))
-    draft = draft_config_from_json(_read(args.draft))
+    kv_tokens = None
+    if args.config:
+        plan = deployment_from_config(args.config)
+        if plan.draft is None:
+            parser.error(f"{args.config} serves no draft")
+        target, draft, kv_tokens = plan.target, plan.draft, plan.kv_cache_tokens
+        args.gpus, args.expert_parallel, args.batch, args.weight_bytes = (
+            plan.gpus, plan.expert_parallel, plan.batch, plan.weight_bytes)
+    elif args.target and args.draft:
+        target, draft = DecoderConfig.from_hf(_read(args.target)), draft_config_from_json(_read(args.draft))
+    else:
+        parser.error("give --config, or both --target and --draft")
     s = sizing(target, draft, args.gpus, args.expert_parallel, args.batch, args.tau, args.weight_bytes)
+    fit = fit_check(s, target, kv_tokens, args.gpu_memory_gib) if kv_tokens else None
     if args.json:
-        print(json.dumps(asdict(s), indent=1))
+        print(json.dumps({**asdict(s), **({"fit": fit} if fit else {})}, indent=1))
         return 0
     mode = "expert parallel" if s.expert_parallel else "tensor parallel"
     rows = [
@@ -138,10 +193,26 @@ def main(argv: list[str] | None = None) -> int:
         (f"... per verify step (batch {args.batch}, tau {args.tau})",
          f"{s.feature_bytes_per_step / (1 << 20):.1f} MiB"),
     ]
+    if fit:
+        rows += [
+            (f"target KV cache per GPU ({kv_tokens} tokens)", f"{fit['kv_gib']:.1f} GiB"),
+            ("weights + KV cache on the GPU that also holds the drafter", f"{fit['busiest_gpu_gib']:.1f} GiB "
+                                                                          f"of {args.gpu_memory_gib:.0f} GiB"),
+        ]
     print("| quantity | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
-    return 0
+    return 0 if fit is None or fit["fits"] else 1
+
+
+def fit_check(s: Sizing, target: DecoderConfig, kv_tokens: int, gpu_memory_gib: float) -> dict:
+    """Does the busiest GPU (a target shard plus the drafter with its copy of the embedding and LM
+    head) hold its weights and the configured KV budget, leaving 10% for activations?"""
+    kv = s.target_kv_bytes_per_token_per_gpu * kv_tokens
+    head_copy = 2 * target.vocab_size * target.hidden_size * 2.0  # the drafter's bf16 embedding + LM head
+    draft = s.draft_weight_bytes + head_copy + s.draft_kv_bytes_per_token * kv_tokens
+    busiest = (s.target_weight_bytes_per_gpu + kv + draft) / GIB
+    return {"kv_gib": kv / GIB, "busiest_gpu_gib": busiest, "fits": busiest <= 0.9 * gpu_memory_gib}
 
 
 if __name__ == "__main__":

@@ -46,11 +46,7 @@ class TargetModel(nn.Module):
     def make_cache(self, num_tokens: int, block_size: int) -> PagedKVCache:
         """GQA: keys and values per KV head. MLA: the compressed latent only (kv_lora_rank + rope dims)."""
         cfg = self.config
-        if cfg.attention == "mla":
-            heads, key_dim, value_dim = 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, 0
-        else:
-            heads, key_dim, value_dim = cfg.num_kv_heads, cfg.head_dim, cfg.head_dim
-        return PagedKVCache(cfg.num_layers, num_tokens, block_size, heads, key_dim, value_dim, self.dtype,
+        return PagedKVCache(cfg.num_layers, num_tokens, block_size, *cfg.cache_geometry, self.dtype,
                             self.embed_tokens.weight.device)
 
     @torch.inference_mode()

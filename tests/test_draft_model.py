@@ -86,6 +86,33 @@ def test_tiny_variant_runs_and_roundtrips(tmp_path, variant):
     assert torch.equal(hidden, hidden2)
 
 
+@pytest.mark.parametrize("variant", ["release", "preview"])
+def test_cached_context_equals_the_full_context(variant):
+    """The paged context cache (MLA: the latent only) gives the same block states as recomputing
+    the whole context, when the context arrives over two rounds."""
+    draft = _bound(shrink(seed_config(variant))).double()
+    cfg = draft.config
+    expected, anchors = _hidden(draft)
+    cache = draft.make_cache(256, 4)
+    heads, key_dim, value_dim = cfg.backbone.cache_geometry
+    if cfg.backbone.attention == "mla":
+        assert (heads, value_dim) == (1, 0) and key_dim == cfg.backbone.kv_lora_rank + cfg.backbone.qk_rope_head_dim
+    gen = torch.Generator().manual_seed(0)
+    ctx = draft.fuse(torch.randn(3, 10, cfg.num_feature_layers * cfg.target_hidden_size, generator=gen).double())
+    ids = [0, 1, 2]
+    for rid in ids:
+        cache.allocator.reserve(rid, 32)
+    block = torch.full((3, cfg.block_size), cfg.mask_token_id)
+    block[:, 0] = anchors
+    with torch.no_grad():
+        for start, end in ((0, 6), (6, 10)):
+            meta = cache.allocator.metadata(ids, [start] * 3, [end - start] * 3, causal=False, device=ctx.device)
+            positions = torch.arange(start, end)[None].expand(3, -1)
+            hidden = draft.backbone(block, 10 + torch.arange(cfg.block_size)[None].expand(3, -1),
+                                    ctx[:, start:end], positions, cache, meta)
+    torch.testing.assert_close(hidden, expected.double(), rtol=1e-9, atol=1e-9)
+
+
 def test_draft_probs_are_exactly_what_was_sampled_from():
     cfg = shrink(seed_config("release"))
     draft = _bound(cfg)
