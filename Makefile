@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint prepare proto bench-ray clean
+.PHONY: install serve test lint prepare proto bench-ray k8s-validate sizing image-gpu image-cpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,22 @@ proto: $(STAMP)
 bench-ray: prepare
 	RAY_AUTH_MODE=disabled $(BIN)/python -m benchmarks.transport
 	RAY_AUTH_MODE=disabled $(BIN)/python -m benchmarks.ray_runtime --out ray_runtime.json --plot ray_runtime.png
+
+# Offline validation of k8s/ against the KubeRay v1.7.0 RayService schema, KubeRay's rules and Serve's schema.
+k8s-validate: $(STAMP)
+	$(BIN)/python -m deploy.manifest_check k8s/*/rayservice.yaml
+
+# The sizing tables of docs/deploy.md, computed from the production configs.
+sizing: $(STAMP)
+	$(BIN)/python -m dspark.sizing --config configs/kimi-k3.1-pro-b300.yaml
+	$(BIN)/python -m dspark.sizing --config configs/kimi-k3.1-pro-preview-b300.yaml
+
+IMAGE ?= ghcr.io/dspark-serving/dspark-ray
+image-gpu:
+	docker build -t $(IMAGE):0.1.0-cu128 .
+image-cpu:
+	docker build -t $(IMAGE):0.1.0-cpu --build-arg RAY_IMAGE=rayproject/ray:2.60.0-py311-cpu \
+		--build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu --build-arg EMBEDDED_DEFAULT=1 .
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", help="draft config.json, speculators layout (without --config)")
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--expert-parallel", action="store_true")
-    parser.add_argument("--batch", type=int, default=64, help="sequences per verify step")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="sequences per verify step (default: the config's max_num_seqs, else 64)")
     parser.add_argument("--tau", type=float, default=3.3, help="acceptance length (committed tokens per step)")
     parser.add_argument("--weight-bytes", type=float, default=1.0, help="bytes per target weight (1 = FP8)")
     parser.add_argument("--gpu-memory-gib", type=float, default=268.0,
@@ -171,12 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         if plan.draft is None:
             parser.error(f"{args.config} serves no draft")
         target, draft, kv_tokens = plan.target, plan.draft, plan.kv_cache_tokens
-        args.gpus, args.expert_parallel, args.batch, args.weight_bytes = (
-            plan.gpus, plan.expert_parallel, plan.batch, plan.weight_bytes)
+        args.gpus, args.expert_parallel, args.weight_bytes = plan.gpus, plan.expert_parallel, plan.weight_bytes
+        args.batch = args.batch or plan.batch
     elif args.target and args.draft:
         target, draft = DecoderConfig.from_hf(_read(args.target)), draft_config_from_json(_read(args.draft))
     else:
         parser.error("give --config, or both --target and --draft")
+    args.batch = args.batch or 64
     s = sizing(target, draft, args.gpus, args.expert_parallel, args.batch, args.tau, args.weight_bytes)
     fit = fit_check(s, target, kv_tokens, args.gpu_memory_gib) if kv_tokens else None
     if args.json:

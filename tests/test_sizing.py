@@ -39,3 +39,35 @@ def test_sizing_of_kimi_on_eight_gpus(capsys):
     assert main(["--target", str(TARGET), "--draft", str(DRAFTS[0]), "--gpus", "8"]) == 0
     out = capsys.readouterr().out
     assert "target weights per GPU" in out and "GiB" in out
+
+
+PRODUCTION = sorted((REPO / "configs").glob("kimi-*-b300.yaml"))
+
+
+@pytest.mark.parametrize("path", PRODUCTION, ids=[p.stem for p in PRODUCTION])
+def test_production_config_fits_one_b300_node(path, capsys):
+    from dspark.schema import load_engine_config
+    from dspark.sizing import deployment_from_config
+    from dspark.tensor_parallel import check_divisible
+
+    config = load_engine_config(path)
+    plan = deployment_from_config(path)
+    assert (plan.gpus, config.runtime.backend, config.engine.block_size) == (8, "nccl", 7)
+    check_compatible(plan.draft, plan.target)
+    check_divisible(plan.target, plan.gpus, plan.expert_parallel)
+    rt = config.runtime
+    assert rt.tp_size * rt.shard_gpus + rt.drafter_gpus <= 8  # one 8-GPU node per replica
+    assert main(["--config", str(path)]) == 0, "weights + KV budget must fit a B300 (exit 1 otherwise)"
+    out = capsys.readouterr().out
+    assert "of 268 GiB" in out and "expert parallel, 8 GPUs" in out
+    # the same script refuses a KV budget that does not fit
+    assert main(["--config", str(path), "--gpu-memory-gib", "200"]) == 1
+
+
+def test_preview_draft_caches_its_mla_latent_only():
+    from dspark.sizing import deployment_from_config, draft_sizing
+
+    plan = deployment_from_config(REPO / "configs" / "kimi-k3.1-pro-preview-b300.yaml")
+    assert plan.draft.backbone.attention == "mla" and plan.draft.markov_rank == 512
+    _, kv = draft_sizing(plan.draft)
+    assert kv == 5 * (512 + 64) * 2  # 5 layers x (kv LoRA rank + rope dims) x bf16
