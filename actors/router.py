@@ -166,6 +166,21 @@ class Router(Engine):
         self.drafter = RemoteDrafter(actor, self.drafter.block_size, self.drafter.timeout_s)
         self.drafter_restarts += 1
 
+    def restart_target(self) -> None:
+        """After a target failure, once every in-flight request has been failed: replace the replica's
+        shards and drafter in the same placement group (weights reload; the cost table is kept)."""
+        for actor in [*self.shards, *([self.drafter.actor] if self.drafter else [])]:
+            ray.kill(actor, no_restart=True)
+        if self._pending_drafter is not None:
+            ray.kill(self._pending_drafter[0], no_restart=True)
+            self._pending_drafter = None
+        self._inflight.clear()
+        self.shards, self.drafter = [], None
+        if self.has_unfinished() or self.allocator.num_free_blocks != self.allocator.usable_blocks:
+            raise RuntimeError("restart_target needs every request finished first")
+        self.target, self.drafter = self._start_actors(self.target.config, self.feature_layers)
+        self.allocator = self.target.allocator
+
     def kill_drafter(self) -> None:
         """Fault injection for tests and drills."""
         ray.kill(self.drafter.actor, no_restart=True)

@@ -79,27 +79,32 @@ class ServingLoop:
         self._wake = threading.Event()
         self._stop = False
         self.step_errors = 0
+        self.recovering = False  # the target is being restarted: new requests get Unavailable at once
+        self._broken: Exception | None = None  # recovery failed: the health check reports it
         self._thread = threading.Thread(target=self._run, name="dspark-serving-loop", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ handler side (event loop)
     @property
     def alive(self) -> bool:
-        """The loop thread is running (the replica's health check)."""
-        return self._thread.is_alive()
+        """The loop thread is running and the replica is not broken (the replica's health check)."""
+        return self._thread.is_alive() and self._broken is None
 
     @property
     def in_flight(self) -> int:
         return len(self._streams)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue]:
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               speculate: bool = True) -> tuple[int, asyncio.Queue]:
+        if self.recovering:
+            raise Unavailable("replica is restarting its target after a failure; retry")
         with self._lock:
             if len(self._streams) >= self.max_running + self.max_queued:
                 raise Overloaded(retry_after_s=1.0)
             request_id = next(self._ids)
             queue: asyncio.Queue = asyncio.Queue()
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
-            self._submissions.append((request_id, prompt_ids, params))
+            self._submissions.append((request_id, prompt_ids, params, speculate))
             self._timing[request_id] = _Timing(time.monotonic(), remaining=params.max_tokens)
         self._wake.set()
         return request_id, queue
@@ -138,13 +143,13 @@ class ServingLoop:
             if self.telemetry is not None:
                 self.telemetry.inc("request_errors", kind="Cancelled")
         while self._submissions:
-            request_id, prompt_ids, params = self._submissions.popleft()
+            request_id, prompt_ids, params, speculate = self._submissions.popleft()
             with self._lock:
                 alive = request_id in self._streams
             if not alive:  # cancelled before it was admitted
                 continue
             try:
-                self.engine.add_request(prompt_ids, params, request_id=request_id)
+                self.engine.add_request(prompt_ids, params, request_id=request_id, speculate=speculate)
             except ConfigError as exc:
                 self._emit(request_id, Event("error", [], error=exc), final=True)
                 continue
@@ -241,6 +246,7 @@ class ServingLoop:
                 self.step_errors += 1
                 log.exception("engine step failed; failing %d in-flight requests", len(self.engine.requests))
                 self._fail_all(Unavailable(f"replica failed during decoding ({type(exc).__name__}); retry"))
+                self._recover()
                 continue
             for out in outputs:
                 if out.finished:
@@ -249,6 +255,31 @@ class ServingLoop:
                                                      metrics=request.metrics), final=True)
                 elif out.new_token_ids:
                     self._emit(out.request_id, Event("tokens", out.new_token_ids))
+
+    def _recover(self) -> None:
+        """Restart the target (and drafter) actors; meanwhile submissions are refused as retryable."""
+        restart = getattr(self.engine, "restart_target", None)
+        if restart is None:
+            return
+        self.recovering = True
+        self._fail_queued(Unavailable("replica is restarting its target after a failure; retry"))
+        try:
+            start = time.monotonic()
+            restart()
+            log.warning("target restarted in %.1f s", time.monotonic() - start)
+            if self.telemetry is not None:
+                self.telemetry.inc("target_restarts")
+        except Exception as exc:  # the replica cannot recover itself: let Serve replace it
+            log.exception("target restart failed; reporting the replica unhealthy")
+            self._broken = exc
+        finally:
+            self.recovering = False
+
+    def _fail_queued(self, error: Exception) -> None:
+        """Requests submitted but not yet admitted by the engine."""
+        while self._submissions:
+            request_id = self._submissions.popleft()[0]
+            self._emit(request_id, Event("error", [], error=error), final=True)
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):

@@ -43,6 +43,8 @@ METRICS = (
     MetricSpec("spec_decode_drafter_fallbacks", "counter", "Request-rounds decoded without drafts after a drafter "
                                                            "failure."),
     MetricSpec("spec_decode_drafter_failures", "counter", "Drafter actor failures (died or timed out)."),
+    MetricSpec("target_restarts", "counter", "Restarts of the replica's target shards (and drafter) after a "
+                                             "target failure; the failed step's requests got a retryable error."),
     MetricSpec("spec_decode_acceptance_length", "histogram", "Per-request acceptance length (completion tokens / "
                                                              "verify steps).", buckets=ACCEPTANCE_BUCKETS),
     MetricSpec("prompt_tokens", "counter", "Prompt tokens of admitted requests."),

@@ -27,6 +27,8 @@ class _Request(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Seed of the request's random generator.")
     stream: bool = Field(False, description="Stream server-sent events.")
     stream_options: dict[str, bool] | None = Field(None, description="{'include_usage': true} adds a usage chunk.")
+    speculation: bool = Field(True, description="Extension: false decodes this request without drafting (plain "
+                                                "decoding on the same server, e.g. as a baseline).")
     n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
     user: str | None = Field(None, description="Ignored; accepted for compatibility.")
     logprobs: bool | int | None = Field(None, description="Not supported; must be unset or false.")

@@ -140,6 +140,10 @@ async def _request_validation(_: Request, exc: RequestValidationError) -> JSONRe
     return ApiError(400, f"{param}: {message}" if param else message, param=param).response()
 
 
+def _speculation(request: pb.GenerateRequest) -> bool:
+    return request.speculation if request.HasField("speculation") else True
+
+
 @serve.deployment
 @serve.ingress(api)
 class DSparkServer:
@@ -210,12 +214,15 @@ class DSparkServer:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self._check_prompt(list(self.tokenizer.encode(text, add_special_tokens=False)))
 
-    async def _start(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, object]:
+    async def _start(self, prompt_ids: list[int], params: SamplingParams,
+                     speculate: bool = True) -> tuple[int, object]:
         """Submit; wait until the engine has accepted (or refused) the request."""
         try:
-            request_id, queue = self.loop.submit(prompt_ids, params)
+            request_id, queue = self.loop.submit(prompt_ids, params, speculate)
         except Overloaded as exc:
             raise ApiError(429, str(exc), code="overloaded", retry_after_s=exc.retry_after_s) from None
+        except Unavailable as exc:
+            raise ApiError(503, str(exc), code="unavailable", retry_after_s=2.0) from None
         try:
             event: Event = await queue.get()
         except BaseException:
@@ -289,7 +296,7 @@ class DSparkServer:
 
     async def _respond(self, body: _Request, prompt_ids: list[int], chat: bool):
         params = self._params(body.new_tokens, body.temperature, body.top_p, body.top_k, body.seed, body.stop)
-        request_id, queue = await self._start(prompt_ids, params)
+        request_id, queue = await self._start(prompt_ids, params, body.speculation)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         base = {"id": ident, "created": int(time.time()), "model": self.config.name}
         stream = TextStream(self.tokenizer, params.stop)
@@ -370,7 +377,7 @@ class DSparkServer:
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:  # noqa: N802
         try:
             prompt_ids, params = self._grpc_request(request, grpc_context)
-            request_id, queue = await self._start(prompt_ids, params)
+            request_id, queue = await self._start(prompt_ids, params, _speculation(request))
             stream, final = TextStream(self.tokenizer, params.stop), None
             async for event in self._events(request_id, queue):
                 stream.add(event.token_ids, final=event.kind == "finished")
@@ -384,7 +391,7 @@ class DSparkServer:
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context):  # noqa: N802
         try:
             prompt_ids, params = self._grpc_request(request, grpc_context)
-            request_id, queue = await self._start(prompt_ids, params)
+            request_id, queue = await self._start(prompt_ids, params, _speculation(request))
             stream = TextStream(self.tokenizer, params.stop)
             async for event in self._events(request_id, queue):
                 finished = event.kind == "finished"
@@ -397,7 +404,10 @@ class DSparkServer:
                 elif delta or new_ids:
                     yield pb.GenerateChunk(text=delta, token_ids=new_ids)
         except ApiError as exc:
+            # Serve's proxy applies a streaming context's status only with a message or an exception:
+            # raise, so that a stream cut short ends with this status (UNAVAILABLE...), never a silent OK
             self._grpc_fail(grpc_context, exc)
+            raise RuntimeError(exc.message) from None
 
     def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:  # noqa: N802
         alive = self.loop.alive

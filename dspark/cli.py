@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, help="PNG of per-position acceptance")
     b.add_argument("--threads", type=int, default=None)
     b.set_defaults(func=_bench)
+    from dspark import loadtest
+
+    loadtest.add_parser(sub)
     prep = sub.add_parser("prepare", help="convert the embedded default target (SmolLM2-135M-Instruct) once")
     prep.add_argument("--out", default=None, help="checkpoint directory (default ~/.cache/dspark/...)")
     prep.add_argument("--force", action="store_true", help="convert again even if already prepared")

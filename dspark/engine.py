@@ -102,7 +102,9 @@ class Engine:
                 ids.add(int(tid))
         return ids
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: int | None = None) -> int:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: int | None = None,
+                    speculate: bool = True) -> int:
+        """Queue a request; ``speculate=False`` decodes it without drafting (a plain-decoding baseline)."""
         if not prompt_ids:
             raise ConfigError("prompt", "must not be empty")
         limit = self.config.max_model_len
@@ -117,6 +119,7 @@ class Engine:
             raise ConfigError("prompt", f"token ids must be in [0, {vocab})")
         rid = next(self._ids) if request_id is None else request_id
         request = Request(rid, list(prompt_ids), params)
+        request.wants_speculation = speculate
         if self.allocator.blocks_for(request.reservation) > self.allocator.usable_blocks:
             raise ConfigError("max_tokens", "request can never fit the KV cache: lower max_tokens or the prompt")
         self.requests[rid] = request
@@ -186,7 +189,8 @@ class Engine:
             request = self.waiting[0]
             if not self.allocator.can_reserve(request.reservation):
                 break
-            speculative = self.drafter is not None and self.drafter.available and self.speculation_enabled
+            speculative = (request.wants_speculation and self.drafter is not None and self.drafter.available
+                           and self.speculation_enabled)
             if speculative and not self.drafter.can_start(request):
                 break
             self.waiting.popleft()

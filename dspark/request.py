@@ -38,6 +38,7 @@ class Request:
     finish_reason: str | None = None
     num_cached: int = 0  # tokens whose keys/values are in the target cache (all but the anchor)
     microbatch: int = 0  # which of the router's two pipelined micro-batches it belongs to
+    wants_speculation: bool = True  # False: the client asked for plain decoding
     speculative: bool = True  # drafted for; False once it decodes without a drafter (e.g. after a drafter failure)
     new_tokens: list[int] = field(default_factory=list)  # committed since the last emit
     metrics: SpecMetrics = field(default_factory=SpecMetrics)

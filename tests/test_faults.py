@@ -1,0 +1,278 @@
+"""Under load and under faults, on real Ray Serve with real HTTP and gRPC clients: the load
+generator, a drafter killed mid-run, a target shard killed mid-run, overload, a slow client, a soak."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+import requests
+
+from dspark.config import SamplingParams
+from dspark.loader import build_engine, encode_prompt
+from dspark.prepare import prepare_target
+from dspark.schema import load_engine_config
+from dspark.v1 import serving_pb2 as pb
+from dspark.v1 import serving_pb2_grpc
+
+from conftest import REPO, benchmark_prompts
+
+pytestmark = pytest.mark.slow
+HTTP = "http://127.0.0.1:8000"
+GRPC = "127.0.0.1:9000"
+MAX_CONCURRENT, MAX_QUEUED = 4, 2
+
+
+@pytest.fixture(scope="module")
+def app(serve_instance, tmp_path_factory):
+    """The embedded default, one replica, no API key, speculation always on."""
+    from ray import serve
+
+    from deploy.ray_app import build_app
+
+    prepare_target()
+    base = load_engine_config(REPO / "configs" / "embedded.yaml")
+    data = base.model_dump(exclude={"base_dir"})
+    data["draft"]["path"] = str(base.resolve(base.draft.path))
+    data["serving"].update(load_aware_speculation=False, max_concurrent_requests=MAX_CONCURRENT,
+                           max_queued_requests=MAX_QUEUED, max_tokens_limit=64, api_key_env="DSPARK_TEST_NO_KEY")
+    data["engine"].update(max_num_seqs=MAX_CONCURRENT, scheduler="full")
+    data["runtime"].update(drafter_timeout_s=20)
+    path = tmp_path_factory.mktemp("faults") / "faults.yaml"
+    path.write_text(json.dumps(data))
+    serve.run(build_app({"config": str(path)}), name="dspark", route_prefix="/")
+    yield load_engine_config(path)
+    serve.delete("dspark")
+
+
+@pytest.fixture(scope="module")
+def model(app) -> str:
+    return requests.get(f"{HTTP}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def _actor_pid(class_name: str) -> int:
+    """The pid of a live actor process of this class, by its Ray process title (a crash, not ray.kill)."""
+    import psutil
+
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if " ".join(proc.info["cmdline"] or []).startswith(f"ray::{class_name}"):
+            return proc.info["pid"]
+    raise AssertionError(f"no live {class_name} actor process")
+
+
+def _metric(name: str) -> float:
+    text = requests.get(f"{HTTP}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"dspark:{name}"))
+
+
+def _chat(model, prompt, max_tokens, stream=False, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": stream, **extra}
+
+
+def _wait_healthy(timeout_s: float = 180.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            health = requests.get(f"{HTTP}/health", timeout=10)
+            if health.status_code == 200 and health.json()["in_flight"] == 0:
+                return health.json()
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise AssertionError("the replica did not come back")
+
+
+def _loadtest_args(**overrides) -> argparse.Namespace:
+    values = dict(url=HTTP, grpc=None, dataset=str(REPO.parent / "shared" / "benchmarks" / "mt-bench.jsonl"),
+                  concurrency="1,2", requests=2, duration=300.0, max_tokens=16, temperature=0.0, top_p=1.0,
+                  modes="on,off", model=None, api_key=None, timeout=300.0, allow_remote=False, out=None, plot=None)
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_loadtest_measures_both_modes_in_one_run(app, tmp_path, transport):
+    from dspark import loadtest
+
+    out, png = tmp_path / "load.json", tmp_path / "load.png"
+    args = _loadtest_args(out=str(out), plot=str(png), grpc=GRPC if transport == "grpc" else None)
+    assert loadtest.main(args) == 0
+    report = json.loads(out.read_text())
+    levels = {(r["concurrency"], r["speculation"]): r for r in report["levels"]}
+    assert set(levels) == {(1, "on"), (1, "off"), (2, "on"), (2, "off")}
+    for r in levels.values():
+        assert r["completed"] == 2 and not r["errors"] and r["output_tokens"] > 0
+        assert r["ttft_p50_s"] > 0 and r["throughput_tok_s"] > 0
+    for concurrency in (1, 2):
+        assert levels[(concurrency, "off")]["acceptance_length"] == 1.0  # plain decoding: one token per step
+        assert levels[(concurrency, "on")]["acceptance_length"] >= 1.0
+    assert png.stat().st_size > 10_000
+
+
+def test_loadtest_refuses_remote_targets():
+    from dspark import loadtest
+
+    with pytest.raises(SystemExit, match="loopback"):
+        loadtest.main(_loadtest_args(url="http://192.0.2.10:8000"))
+
+
+def test_killing_the_drafter_under_load_loses_nothing(app, model):
+    """SIGKILL the drafter process mid-run: every request completes, exactly the target's greedy output."""
+    prompts = benchmark_prompts("humaneval", 3) + benchmark_prompts("gsm8k", 3)
+    engine = build_engine(app.model_copy(update={"engine": app.engine.model_copy(update={"speculate": False})}))
+    expected = [r.token_ids for r in engine.generate(
+        [encode_prompt(engine.tokenizer, p, chat=True) for p in prompts], SamplingParams(max_tokens=48, temperature=0))]
+    texts = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
+    failures_before = _metric("spec_decode_drafter_failures_total")
+    results: dict[int, tuple[int, str]] = {}
+
+    def call(index):
+        response = requests.post(f"{HTTP}/v1/chat/completions", json=_chat(model, prompts[index], 48), timeout=300)
+        results[index] = (response.status_code, response.json()["choices"][0]["message"]["content"]
+                          if response.status_code == 200 else response.text)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while requests.get(f"{HTTP}/health", timeout=10).json()["in_flight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    os.kill(_actor_pid("DraftWorker"), signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    assert [results[i] for i in range(len(prompts))] == [(200, text) for text in texts]
+    assert _metric("spec_decode_drafter_failures_total") >= failures_before + 1
+    _wait_healthy()
+
+
+def test_killing_a_target_shard_fails_in_flight_requests_retryably_and_the_replica_recovers(app, model):
+    prompt = "Write a long story about a lighthouse keeper and a storm."
+    outcomes: dict[str, object] = {}
+
+    def unary():
+        response = requests.post(f"{HTTP}/v1/chat/completions", json=_chat(model, prompt, 64), timeout=300)
+        outcomes["unary"] = (response.status_code, response.headers.get("Retry-After"), response.json())
+
+    def stream():
+        chunks = []
+        with requests.post(f"{HTTP}/v1/chat/completions", json=_chat(model, prompt, 64, stream=True),
+                           stream=True, timeout=300) as response:
+            for line in response.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+        outcomes["stream"] = chunks
+
+    def grpc_stream():
+        with grpc.insecure_channel(GRPC) as channel:
+            stub = serving_pb2_grpc.DSparkStub(channel)
+            request = pb.GenerateRequest(prompt=prompt, chat=True, max_tokens=64, temperature=0.0)
+            try:
+                finish = [c.finish_reason for c in stub.GenerateStream(request, metadata=[("application", "dspark")],
+                                                                       timeout=300)]
+                outcomes["grpc"] = ("OK", finish)
+            except grpc.RpcError as exc:
+                outcomes["grpc"] = (exc.code().name, exc.details())
+
+    threads = [threading.Thread(target=f) for f in (unary, stream, grpc_stream)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while requests.get(f"{HTTP}/health", timeout=10).json()["in_flight"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # decoding has started
+    restarts_before = _metric("target_restarts_total")
+    os.kill(_actor_pid("TargetShard"), signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=180)
+    assert not any(t.is_alive() for t in threads), "a request hung after the shard died"
+    status, retry_after, body = outcomes["unary"]
+    assert status == 503 and int(retry_after) >= 1 and body["error"]["code"] == "unavailable"
+    last = outcomes["stream"][-1]
+    assert "error" in last and last["error"]["code"] == "unavailable"  # in-band: headers were already sent
+    assert not any(c.get("finish_reason") for chunk in outcomes["stream"][:-1] for c in chunk.get("choices", []))
+    assert outcomes["grpc"][0] == "UNAVAILABLE"
+    # the replica restarts its actors and serves again (clients retry on 503 / UNAVAILABLE)
+    deadline, status = time.monotonic() + 240, None
+    while time.monotonic() < deadline:
+        response = requests.post(f"{HTTP}/v1/chat/completions", json=_chat(model, "Say hello.", 8), timeout=120)
+        status = response.status_code
+        if status == 200:
+            break
+        assert status == 503 and int(response.headers["Retry-After"]) >= 1
+        time.sleep(int(response.headers["Retry-After"]))
+    assert status == 200
+    assert _metric("target_restarts_total") >= restarts_before + 1
+    with grpc.insecure_channel(GRPC) as channel:
+        out = serving_pb2_grpc.DSparkStub(channel).Generate(
+            pb.GenerateRequest(prompt="Say hello.", chat=True, max_tokens=8, temperature=0.0),
+            metadata=[("application", "dspark")], timeout=120)
+    assert out.finish_reason in ("length", "stop") and out.usage.completion_tokens > 0
+
+
+def test_grpc_overload_is_resource_exhausted_quickly(app):
+    results, lock = [], threading.Lock()
+
+    def call():
+        with grpc.insecure_channel(GRPC) as channel:
+            stub = serving_pb2_grpc.DSparkStub(channel)
+            start = time.monotonic()
+            try:
+                list(stub.GenerateStream(pb.GenerateRequest(prompt="Count to fifty.", chat=True, max_tokens=48),
+                                         metadata=[("application", "dspark")], timeout=300))
+                code = "OK"
+            except grpc.RpcError as exc:
+                code = exc.code().name
+            with lock:
+                results.append((code, time.monotonic() - start))
+
+    threads = [threading.Thread(target=call) for _ in range(MAX_CONCURRENT + MAX_QUEUED + 4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    refused = [t for code, t in results if code == "RESOURCE_EXHAUSTED"]
+    assert refused and max(refused) < 10.0, results  # refused at admission, not after waiting for a slot
+    assert sum(code == "OK" for code, _ in results) >= MAX_CONCURRENT
+    assert {code for code, _ in results} <= {"OK", "RESOURCE_EXHAUSTED"}
+
+
+def test_a_client_that_stops_reading_does_not_stall_others(app, model):
+    import socket
+
+    body = json.dumps(_chat(model, "Tell me a very long story.", 64, stream=True)).encode()
+    slow = socket.create_connection(("127.0.0.1", 8000))
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # and never read
+    try:
+        time.sleep(1.0)
+        start = time.monotonic()
+        for _ in range(2):
+            response = requests.post(f"{HTTP}/v1/chat/completions", json=_chat(model, "Say hi.", 16), timeout=120)
+            assert response.status_code == 200
+        assert time.monotonic() - start < 90
+    finally:
+        slow.close()
+    _wait_healthy()
+
+
+def test_soak_with_cancellations_leaks_nothing(app):
+    from benchmarks.soak import run
+
+    duration = float(os.environ.get("DSPARK_SOAK_SECONDS", "45"))
+    report = run(HTTP, duration, workers=3, max_tokens=32, rss_bound_mib=256.0, warmup_s=10.0)
+    assert report["requests"] >= 6
+    assert report["unanswered"] == [] and report["answered_more_than_once"] == []
+    assert report["duplicate_response_ids"] == 0
+    assert report["kv_free_after"] == report["kv_total"] and report["in_flight_after"] == 0
+    assert report["rss_growth_mib"] and all(g < 256.0 for g in report["rss_growth_mib"].values()), report
+    assert report["ok"]
