@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint prepare proto bench-ray k8s-validate sizing image-gpu image-cpu clean
+.PHONY: install serve test lint prepare proto bench-ray report soak k8s-validate sizing image-gpu image-cpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,14 @@ proto: $(STAMP)
 bench-ray: prepare
 	RAY_AUTH_MODE=disabled $(BIN)/python -m benchmarks.transport
 	RAY_AUTH_MODE=disabled $(BIN)/python -m benchmarks.ray_runtime --out ray_runtime.json --plot ray_runtime.png
+
+# docs/performance.md and docs/figures/: acceptance, peers, load sweep (speculation on/off), soak (~30 min on 2 cores).
+report: prepare
+	RAY_AUTH_MODE=disabled $(BIN)/python -m benchmarks.report
+
+# The 10-minute soak against a server already running on :8000 (e.g. `make serve` in another shell).
+soak: $(STAMP)
+	$(BIN)/python -m benchmarks.soak --duration 600 --out soak.json
 
 # Offline validation of k8s/ against the KubeRay v1.7.0 RayService schema, KubeRay's rules and Serve's schema.
 k8s-validate: $(STAMP)
