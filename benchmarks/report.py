@@ -66,14 +66,11 @@ def bench(out: Path, limit: int, max_tokens: int) -> dict:
 
 
 def served_config(out: Path, load_aware: bool) -> Path:
-    from dspark.schema import load_engine_config
+    from dspark.schema import load_engine_config, write_variant
 
-    base = load_engine_config(REPO / "configs" / "embedded.yaml")
-    data = base.model_dump(exclude={"base_dir"})
-    data["draft"]["path"] = str(base.resolve(base.draft.path))
-    data["serving"].update(load_aware_speculation=load_aware, speculation_probe_interval_s=30.0)
-    path = out / f"served-{'load-aware' if load_aware else 'always'}.json"
-    path.write_text(json.dumps(data))
+    path = write_variant(load_engine_config(REPO / "configs" / "embedded.yaml"),
+                         out / f"served-{'load-aware' if load_aware else 'always'}.json",
+                         serving={"load_aware_speculation": load_aware, "speculation_probe_interval_s": 30.0})
     serve_yaml = out / f"serve-{path.stem}.yaml"
     serve_yaml.write_text(SERVE_CONFIG.format(config=path))
     return serve_yaml

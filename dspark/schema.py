@@ -7,6 +7,7 @@ into one line per bad field, naming it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -218,6 +219,23 @@ def load_engine_config(path: str | Path) -> EngineFileConfig:
         return EngineFileConfig(**data, base_dir=str(path.resolve().parent))
     except ValidationError as exc:
         raise ConfigError(str(path.name), format_validation_error(exc)) from None
+
+
+def write_variant(config: EngineFileConfig, out: str | Path, **updates: dict) -> Path:
+    """Write ``config`` with some sections updated (``serving={...}``, ``engine={...}``) to ``out`` as JSON
+    (valid YAML), checkpoint paths made absolute so the copy works from any directory."""
+    data = config.model_dump(exclude={"base_dir"})
+    data["target"]["path"] = str(config.resolve(config.target.path).resolve())
+    if config.draft.path:
+        data["draft"]["path"] = str(config.resolve(config.draft.path).resolve())
+    for section, values in updates.items():
+        data[section].update(values)
+    try:
+        EngineFileConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(str(out), format_validation_error(exc)) from None
+    Path(out).write_text(json.dumps(data))
+    return Path(out)
 
 
 def sampling_from_values(**values) -> SamplingParams:

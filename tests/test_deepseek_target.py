@@ -133,7 +133,8 @@ def test_tensor_and_expert_parallel_shards_match_tp1_with_a_dspark_head(ray_clus
 
 
 def test_fp8_block_quantised_checkpoint_loads_close_to_the_original(tiny_target_dir, tmp_path):
-    """Quantise every projection of the tiny model to e4m3 with 32x32 block scales, as DeepSeek/Kimi publish."""
+    """Quantise every projection of the tiny bf16 model to e4m3 with 32x32 block scales, as DeepSeek/Kimi
+    publish, and compare with the bf16 original (both computed in fp32)."""
     import json
     import shutil
 
@@ -142,9 +143,11 @@ def test_fp8_block_quantised_checkpoint_loads_close_to_the_original(tiny_target_
     from dspark.fp8 import quantize
 
     path, _ = tiny_deepseek(tmp_path / "original", tiny_target_dir, weight_std=None)  # transformers' own init
+    state = {name: t.to(torch.bfloat16) if t.is_floating_point() else t
+             for name, t in load_file(str(path / "model.safetensors")).items()}
+    save_file(state, str(path / "model.safetensors"))  # the bf16 original, as a model is released
     fp8_dir = tmp_path / "fp8"
     shutil.copytree(path, fp8_dir)
-    state = load_file(str(fp8_dir / "model.safetensors"))
     quantised = {}
     for name, tensor in state.items():
         if name.endswith("_proj.weight") and tensor.dim() == 2:  # attention and expert projections, not norms

@@ -17,7 +17,7 @@ import requests
 from dspark.config import SamplingParams
 from dspark.loader import build_engine, encode_prompt
 from dspark.prepare import prepare_target
-from dspark.schema import load_engine_config
+from dspark.schema import load_engine_config, write_variant
 from dspark.v1 import serving_pb2 as pb
 from dspark.v1 import serving_pb2_grpc
 
@@ -37,15 +37,11 @@ def app(serve_instance, tmp_path_factory):
     from deploy.ray_app import build_app
 
     prepare_target()
-    base = load_engine_config(REPO / "configs" / "embedded.yaml")
-    data = base.model_dump(exclude={"base_dir"})
-    data["draft"]["path"] = str(base.resolve(base.draft.path))
-    data["serving"].update(load_aware_speculation=False, max_concurrent_requests=MAX_CONCURRENT,
-                           max_queued_requests=MAX_QUEUED, max_tokens_limit=64, api_key_env="DSPARK_TEST_NO_KEY")
-    data["engine"].update(max_num_seqs=MAX_CONCURRENT, scheduler="full")
-    data["runtime"].update(drafter_timeout_s=20)
-    path = tmp_path_factory.mktemp("faults") / "faults.yaml"
-    path.write_text(json.dumps(data))
+    path = write_variant(
+        load_engine_config(REPO / "configs" / "embedded.yaml"), tmp_path_factory.mktemp("faults") / "faults.yaml",
+        serving={"load_aware_speculation": False, "max_concurrent_requests": MAX_CONCURRENT,
+                 "max_queued_requests": MAX_QUEUED, "max_tokens_limit": 64, "api_key_env": "DSPARK_TEST_NO_KEY"},
+        engine={"max_num_seqs": MAX_CONCURRENT, "scheduler": "full"}, runtime={"drafter_timeout_s": 20})
     serve.run(build_app({"config": str(path)}), name="dspark", route_prefix="/")
     yield load_engine_config(path)
     serve.delete("dspark")

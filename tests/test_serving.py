@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dspark.config import SamplingParams
 from dspark.loader import build_engine, encode_prompt
 from dspark.prepare import prepare_target
-from dspark.schema import load_engine_config
+from dspark.schema import load_engine_config, write_variant
 from dspark.v1 import serving_pb2 as pb
 from dspark.v1 import serving_pb2_grpc
 
@@ -39,16 +39,12 @@ def served(serve_instance, tmp_path_factory):
     prepare_target()
     key_file = tmp_path_factory.mktemp("secret") / "api-key"
     key_file.write_text(KEY + "\n")
-    base = load_engine_config(REPO / "configs" / "embedded.yaml")
-    config_dir = tmp_path_factory.mktemp("config")
-    data = base.model_dump(exclude={"base_dir"})
-    data["draft"]["path"] = str(base.resolve(base.draft.path))
-    data["serving"].update(load_aware_speculation=False, api_key_file=str(key_file),
-                           max_concurrent_requests=MAX_CONCURRENT,
-                           max_queued_requests=MAX_QUEUED, max_tokens_limit=64, max_prompt_tokens=512)
-    data["engine"].update(max_num_seqs=MAX_CONCURRENT, scheduler="full")  # deterministic blocks: bench comparison
-    path = config_dir / "served.yaml"
-    path.write_text(json.dumps(data))
+    path = write_variant(
+        load_engine_config(REPO / "configs" / "embedded.yaml"), tmp_path_factory.mktemp("config") / "served.yaml",
+        serving={"load_aware_speculation": False, "api_key_file": str(key_file),
+                 "max_concurrent_requests": MAX_CONCURRENT, "max_queued_requests": MAX_QUEUED,
+                 "max_tokens_limit": 64, "max_prompt_tokens": 512},
+        engine={"max_num_seqs": MAX_CONCURRENT, "scheduler": "full"})  # deterministic blocks: bench comparison
     serve.run(build_app({"config": str(path)}), name="dspark", route_prefix="/")
     yield load_engine_config(path)
     serve.delete("dspark")
