@@ -170,7 +170,20 @@ def render(out: Path, bench_results: dict, peers: dict, load_results: dict, args
               "Each level runs the same requests with speculation on and off (the `speculation: false` request "
               "extension) against the same server in the same run. *always*: speculation on for every request; "
               "*load-aware*: the per-replica switch turns drafting off while the measured acceptance length "
-              "is below break-even and probes again every 30 s.", ""]
+              "is below break-even and probes again every 30 s. *tau* here is the per-request definition "
+              "(completion tokens / verify steps, prefill and rounds the scheduler trimmed to zero drafts "
+              "included); the bench tables above use the pooled 1 + accepted / drafts.", ""]
+    ratios = []
+    for key, report in load_results.items():
+        if key == "soak":
+            continue
+        levels = {(r["concurrency"], r["speculation"]): r for r in report["levels"]}
+        worst = min((levels[(c, "on")]["throughput_tok_s"] / levels[(c, "off")]["throughput_tok_s"], c)
+                    for c, mode in levels if mode == "on" and (c, "off") in levels)
+        ratios.append(f"*{key}*: {worst[0]:.2f}x (at concurrency {worst[1]})")
+    if ratios:
+        lines += ["Lowest aggregate throughput with speculation on relative to plain decoding, over the levels: "
+                  + "; ".join(ratios) + ".", ""]
     for key, report in load_results.items():
         if key == "soak":
             continue
