@@ -169,13 +169,8 @@ class Router(Engine):
     def restart_target(self) -> None:
         """After a target failure, once every in-flight request has been failed: replace the replica's
         shards and drafter in the same placement group (weights reload; the cost table is kept)."""
-        for actor in [*self.shards, *([self.drafter.actor] if self.drafter else [])]:
-            ray.kill(actor, no_restart=True)
-        if self._pending_drafter is not None:
-            ray.kill(self._pending_drafter[0], no_restart=True)
-            self._pending_drafter = None
+        self._kill_actors()
         self._inflight.clear()
-        self.shards, self.drafter = [], None
         if self.has_unfinished() or self.allocator.num_free_blocks != self.allocator.usable_blocks:
             raise RuntimeError("restart_target needs every request finished first")
         self.target, self.drafter = self._start_actors(self.target.config, self.feature_layers)
@@ -257,12 +252,15 @@ class Router(Engine):
         return {"target": sender, "drafter": receiver, "drafter_restarts": self.drafter_restarts,
                 "object_store_feature_bytes": self.target.returned_feature_bytes}
 
-    def shutdown(self) -> None:
+    def _kill_actors(self) -> None:
         for actor in [*self.shards, *([self.drafter.actor] if self.drafter else [])]:
             ray.kill(actor, no_restart=True)
         if self._pending_drafter is not None:
             ray.kill(self._pending_drafter[0], no_restart=True)
-        self.shards = []
+        self.shards, self.drafter, self._pending_drafter = [], None, None
+
+    def shutdown(self) -> None:
+        self._kill_actors()
         if self._own_placement and self.placement is not None:
             remove_placement_group(self.placement)
             self.placement = None
