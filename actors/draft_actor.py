@@ -24,7 +24,8 @@ from dspark.drafter import DraftInputs, DSparkDrafter
 from dspark.request import Request
 from dspark.sampling import SamplingTensors
 from dspark.schema import EngineFileConfig
-from dspark.target_model import DTYPES, load_target_head
+from dspark.target_checkpoint import load_target_head
+from dspark.target_model import DTYPES
 
 
 @dataclass
@@ -103,6 +104,9 @@ class DraftWorker:
 
     def ping(self) -> bool:
         return True
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def placement(self) -> str:
         return device_placement()

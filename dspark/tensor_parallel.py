@@ -12,12 +12,17 @@ them (tokens are already on every rank, so dispatch needs no all-to-all). The mo
 never knows it is sharded: swapped modules keep their call signatures. Embedding, norms,
 router and LM head stay replicated, so every rank ends a forward with the full hidden states
 and logits, and rank 0 can verify and send features.
+
+Sharding works on a model built on the meta device too: every sliced linear records its
+``TensorSlice`` and ``checkpoint_source`` maps a sharded parameter back to its checkpoint
+tensor, so ``dspark.target_checkpoint`` reads only this rank's slice of each tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,6 +32,20 @@ from dspark.layers import MLP, GQAAttention, MLAAttention, MoE
 from dspark.target_model import TargetModel
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the ranks, returns it
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """The ``index``-th of ``parts`` equal slices of a weight along ``dim`` (0: output, 1: input features)."""
+
+    dim: int
+    index: int
+    parts: int
+
+    def bounds(self, size: int) -> tuple[int, int]:
+        """[start, end) along ``dim`` of a tensor ``size`` long there (``check_divisible`` ran before)."""
+        step = size // self.parts
+        return self.index * step, (self.index + 1) * step
 
 
 class RowParallelLinear(nn.Module):
@@ -41,17 +60,40 @@ class RowParallelLinear(nn.Module):
 
 
 def _slice_linear(linear: nn.Linear, dim: int, index: int, parts: int) -> nn.Linear:
-    """The ``index``-th of ``parts`` equal slices of a linear layer along output (0) or input (1) features."""
-    weight = linear.weight.detach().chunk(parts, dim=dim)[index].clone()
+    """The ``index``-th of ``parts`` equal slices of a linear layer along output (0) or input (1) features.
+
+    On the meta device this only fixes shapes; the returned layer remembers its ``tp_slice``.
+    """
+    part = TensorSlice(dim, index, parts)
+    start, end = part.bounds(linear.weight.shape[dim])
+    weight = linear.weight.detach().narrow(dim, start, end - start).clone()
     bias = linear.bias
     if bias is not None and dim == 0:
-        bias = bias.detach().chunk(parts)[index].clone()
+        bias = bias.detach()[start:end].clone()
     out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None and dim == 0,
                     dtype=weight.dtype, device=weight.device)
     out.weight = nn.Parameter(weight, requires_grad=False)
     if out.bias is not None:
         out.bias = nn.Parameter(bias, requires_grad=False)
+    out.tp_slice = part
     return out
+
+
+def checkpoint_source(model: nn.Module, name: str) -> tuple[str, TensorSlice | None]:
+    """The checkpoint tensor behind parameter (or buffer) ``name`` of a sharded model, and this rank's slice.
+
+    The parallel wrappers add one level (``o_proj.local``, ``mlp.moe``) that checkpoints do not have.
+    """
+    *path, leaf = name.split(".")
+    kept, module = [], model
+    for part in path:
+        if not isinstance(module, (RowParallelLinear, ParallelMoE)):
+            kept.append(part)
+        module = getattr(module, part)
+    part_slice = getattr(module, "tp_slice", None)
+    if leaf == "bias" and part_slice is not None and part_slice.dim != 0:
+        part_slice = None
+    return ".".join([*kept, leaf]), part_slice
 
 
 def check_divisible(cfg, world: int, expert_parallel: bool = False) -> None:

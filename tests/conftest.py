@@ -17,7 +17,7 @@ from dspark.drafter import DSparkDrafter
 from dspark.engine import Engine
 from dspark.loader import load_tokenizer
 from dspark.scheduler import StepCostProfile
-from dspark.target_model import load_target
+from dspark.target_checkpoint import load_target
 from dspark.testing import make_tiny_target, tiny_draft_config
 
 REPO = Path(__file__).resolve().parents[1]

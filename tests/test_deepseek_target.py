@@ -2,41 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from dspark.config import ConfigError
 from dspark.kv_cache import PagedKVCache
-from dspark.target_model import load_target
-
-
-def tiny_deepseek(path, tokenizer_dir, dtype=torch.float32, weight_std: float | None = 0.2):
-    """A random 3-layer DeepSeek-V3 (1 dense + 2 MoE layers, 8 experts in 4 groups) saved by transformers."""
-    import shutil
-
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = DeepseekV3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-        routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16,
-        qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
-        norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False)
-    model = DeepseekV3ForCausalLM(cfg).to(dtype).eval()
-    with torch.no_grad():  # transformers initialises the router at zero and the bias at zero: make routing matter
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.weight.normal_(0, 0.5)
-            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
-        for name, param in model.named_parameters():  # larger weights: distinct, stable greedy paths
-            if weight_std and "norm" not in name and "gate.weight" not in name:
-                param.normal_(0, weight_std)
-    model.save_pretrained(path)
-    for file in Path(tokenizer_dir).glob("*token*"):
-        shutil.copy(file, path / file.name)
-    return path, model
+from dspark.target_checkpoint import load_target
+from dspark.testing import make_tiny_deepseek as tiny_deepseek
+from dspark.testing import quantize_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +81,8 @@ def ray_config(path, draft_dir, **runtime):
 @pytest.mark.parametrize("runtime", [{"tp_size": 2}, {"tp_size": 2, "expert_parallel": True}])
 def test_tensor_and_expert_parallel_shards_match_tp1_with_a_dspark_head(ray_cluster, deepseek64_with_draft,
                                                                          tiny_tokenizer, runtime):
+    import ray
+
     from actors.router import Router
     from dspark.config import SamplingParams
     from dspark.loader import build_engine
@@ -126,40 +101,29 @@ def test_tensor_and_expert_parallel_shards_match_tp1_with_a_dspark_head(ray_clus
     try:
         outputs = [r.token_ids for r in sharded.generate(prompts, params)]
         drafts = sharded.metrics.num_drafts
+        read = [s["checkpoint_bytes_read"] for s in ray.get([shard.stats.remote() for shard in sharded.shards])]
     finally:
         sharded.shutdown()
     assert tp1 == target_only  # the DSpark head end to end on this target: exactly the target's output
     assert outputs == tp1 and drafts > 0
+    checkpoint_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    assert len(read) == 2 and max(read) < 0.8 * checkpoint_bytes  # each shard actor read only its slice
 
 
 def test_fp8_block_quantised_checkpoint_loads_close_to_the_original(tiny_target_dir, tmp_path):
     """Quantise every projection of the tiny bf16 model to e4m3 with 32x32 block scales, as DeepSeek/Kimi
     publish, and compare with the bf16 original (both computed in fp32)."""
     import json
-    import shutil
 
     from safetensors.torch import load_file, save_file
-
-    from dspark.fp8 import quantize
 
     path, _ = tiny_deepseek(tmp_path / "original", tiny_target_dir, weight_std=None)  # transformers' own init
     state = {name: t.to(torch.bfloat16) if t.is_floating_point() else t
              for name, t in load_file(str(path / "model.safetensors")).items()}
     save_file(state, str(path / "model.safetensors"))  # the bf16 original, as a model is released
     fp8_dir = tmp_path / "fp8"
-    shutil.copytree(path, fp8_dir)
-    quantised = {}
-    for name, tensor in state.items():
-        if name.endswith("_proj.weight") and tensor.dim() == 2:  # attention and expert projections, not norms
-            quantised[name], quantised[name + "_scale_inv"] = quantize(tensor, (32, 32))
-        else:
-            quantised[name] = tensor
-    assert sum(t.dtype == torch.float8_e4m3fn for t in quantised.values()) > 20
-    save_file(quantised, str(fp8_dir / "model.safetensors"))
+    assert quantize_checkpoint(path, fp8_dir, (32, 32)) > 20
     config = json.loads((fp8_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [32, 32]}
-    (fp8_dir / "config.json").write_text(json.dumps(config))
     original, fp8 = load_target(path, "float32"), load_target(fp8_dir, "float32")
     ids = torch.randint(0, original.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(3))
     logits = []

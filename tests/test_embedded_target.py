@@ -13,7 +13,7 @@ from dspark.drafter import DSparkDrafter
 from dspark.engine import Engine
 from dspark.loader import encode_prompt, load_tokenizer
 from dspark.prepare import prepare_target, sanity_check
-from dspark.target_model import load_target
+from dspark.target_checkpoint import load_target
 from dspark.testing import tiny_draft_config
 
 from conftest import benchmark_prompts

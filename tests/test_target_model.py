@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from dspark.kv_cache import PagedKVCache
-from dspark.target_model import load_target
+from dspark.target_checkpoint import load_target
 from dspark.testing import make_tiny_target
 
 from conftest import stdlib_texts

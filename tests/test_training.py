@@ -16,7 +16,7 @@ from dspark.engine import Engine
 from dspark.loader import load_tokenizer
 from dspark.losses import dspark_loss, position_weights
 from dspark.recipe import TrainFileConfig, run_recipe
-from dspark.target_model import load_target
+from dspark.target_checkpoint import load_target
 from dspark.testing import make_tiny_target
 
 from conftest import SHARED, stdlib_texts
