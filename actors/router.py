@@ -39,7 +39,7 @@ from dspark.engine import Engine, _Round
 from dspark.loader import load_tokenizer
 from dspark.request import Request, RequestOutput, Status
 from dspark.schema import EngineFileConfig
-from dspark.target_model import read_target_config
+from dspark.target_checkpoint import read_target_config
 from dspark.tensor_parallel import check_divisible
 
 
@@ -88,6 +88,7 @@ class Router(Engine):
                                    f"{rt.collective_timeout_s} s (free: {free})") from None
         self.placement, self.bundle_offset = placement, bundle_offset
         self.shards, self.drafter, self._pending_drafter = [], None, None
+        self.actor_pids: dict = {}  # process ids of this replica's actors, for operators (GET /health)
         self.drafter_restarts = 0
         self.feature_shard = 0  # the shard with the feature channel (set on connect)
         self._inflight: dict[int, tuple[list[Request], ray.ObjectRef]] = {}
@@ -111,6 +112,7 @@ class Router(Engine):
         address = ray.get(self.shards[0].tp_address.remote())
         ray.get([shard.join_tp.remote(address) for shard in self.shards])
         target = RemoteTarget(config, self.shards, full_config)
+        self.actor_pids = {"target_shards": ray.get([shard.pid.remote() for shard in self.shards]), "drafter": None}
         if not _speculates(config):
             return target, None
         actor = self._new_drafter_actor()
@@ -139,6 +141,7 @@ class Router(Engine):
         address = ray.get(sender.open_channel.remote())
         ray.get([sender.join_channel.remote(address), actor.join_channel.remote(address)],
                 timeout=self.file_config.runtime.collective_timeout_s)
+        self.actor_pids["drafter"] = ray.get(actor.pid.remote())
 
     def _recover_drafter(self) -> None:
         """After a failure: replace the actor in the background, reconnect once it is up."""
@@ -258,6 +261,7 @@ class Router(Engine):
         if self._pending_drafter is not None:
             ray.kill(self._pending_drafter[0], no_restart=True)
         self.shards, self.drafter, self._pending_drafter = [], None, None
+        self.actor_pids: dict = {}  # process ids of this replica's actors, for operators (GET /health)
 
     def shutdown(self) -> None:
         self._kill_actors()

@@ -7,6 +7,7 @@ Prompts and API keys are never logged.
 """
 
 
+import functools
 import hmac
 import json
 import logging
@@ -23,7 +24,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from grpc_health.v1 import health_pb2
 from ray import serve
+from ray.serve.exceptions import RayServeException
 from ray.util import get_current_placement_group
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.router import Router
@@ -108,9 +111,41 @@ ERROR_RESPONSES = {code: {"model": ErrorResponse, "description": text} for code,
     (413, "prompt or body too long"), (429, "replica at capacity; see Retry-After"),
     (503, "replica unavailable; retry"))}
 
+REPLICA_HEADER = "x-dspark-replica"
+
+
+@functools.cache
+def replica_id() -> str:
+    """This Serve replica's id ("local" outside a replica)."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:
+        return "local"
+
+
+class ReplicaHeader:
+    """Pure ASGI middleware: every HTTP response names the replica that produced it (errors and
+    streams included), so a client or a test can tell which replica a request met."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_named(message):
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append(REPLICA_HEADER, replica_id())
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
+
 api = FastAPI(title="DSpark serving API", version="1",
               description="OpenAI-compatible completions with DSpark speculative decoding.")
 api.state.api_key = None
+api.add_middleware(ReplicaHeader)
 
 
 @api.exception_handler(ApiError)
@@ -151,6 +186,7 @@ class DSparkServer:
         self.config, self.spec = config, config.serving
         self.api_key = read_api_key(config.serving)
         api.state.api_key = self.api_key
+        self.replica_id = replica_id()
         if config.resolve(config.target.path) == default_target_dir():
             prepare_target()  # the embedded default converts itself on first start (no-op when cached)
         placement = get_current_placement_group()
@@ -262,7 +298,8 @@ class DSparkServer:
     @api.get("/health", summary="Liveness and readiness (no authentication)")
     async def health(self) -> dict:
         alloc = self.router.allocator
-        return {"status": "ok", "in_flight": self.loop.in_flight, "kv_free_blocks": alloc.num_free_blocks,
+        return {"status": "ok", "replica": self.replica_id, "actors": self.router.actor_pids,
+                "in_flight": self.loop.in_flight, "kv_free_blocks": alloc.num_free_blocks,
                 "kv_total_blocks": alloc.usable_blocks, "speculation_enabled": self.router.speculation_enabled,
                 "autoscaling": self.loop.autoscaling_stats()}
 

@@ -1,0 +1,123 @@
+"""Two serving replicas on real Ray Serve: a target shard of one dies mid-stream; the other replica's
+requests finish untouched and exact, the hit replica's fail retryably, and the hit replica comes back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import requests
+
+from dspark.config import SamplingParams
+from dspark.loader import build_engine, encode_prompt
+from dspark.prepare import prepare_target
+from dspark.schema import load_engine_config, write_variant
+
+from conftest import REPO, benchmark_prompts
+
+pytestmark = pytest.mark.slow
+HTTP = "http://127.0.0.1:8000"
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def two_replicas(serve_instance, tmp_path_factory):
+    """The embedded default as two fixed replicas, each with its own shard, drafter and router actors."""
+    from ray import serve
+
+    from deploy.ray_app import build_app
+
+    prepare_target()
+    path = write_variant(
+        load_engine_config(REPO / "configs" / "embedded.yaml"), tmp_path_factory.mktemp("isolation") / "two.yaml",
+        serving={"num_replicas": 2, "load_aware_speculation": False, "max_concurrent_requests": 4,
+                 "max_queued_requests": 8, "max_tokens_limit": 64, "api_key_env": "DSPARK_TEST_NO_KEY",
+                 "router_cpus": 0.3},
+        engine={"max_num_seqs": 4, "scheduler": "full"},
+        runtime={"shard_cpus": 0.3, "drafter_cpus": 0.3, "shard_threads": 1, "drafter_threads": 1})
+    serve.run(build_app({"config": str(path)}), name="dspark", route_prefix="/")
+    yield load_engine_config(path)
+    serve.delete("dspark")
+
+
+def replica_health(count: int = 2, timeout_s: float = 120.0) -> dict[str, dict]:
+    """Health of each replica (Serve routes each /health to one of them), keyed by replica id."""
+    seen, deadline = {}, time.monotonic() + timeout_s
+    while len(seen) < count:
+        assert time.monotonic() < deadline, f"saw only replicas {list(seen)}"
+        response = requests.get(f"{HTTP}/health", timeout=30)
+        if response.status_code == 200:
+            health = response.json()
+            assert response.headers["x-dspark-replica"] == health["replica"]
+            seen[health["replica"]] = health
+    return seen
+
+
+def test_a_shard_dying_on_one_replica_leaves_the_other_replicas_requests_untouched(two_replicas):
+    prompts = benchmark_prompts("mt-bench", 4) + benchmark_prompts("gsm8k", 4)
+    engine = build_engine(two_replicas, speculate=False)
+    expected = [engine.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in engine.generate(
+        [encode_prompt(engine.tokenizer, p, chat=True) for p in prompts],
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0))]
+    del engine
+    health = replica_health()
+    model = two_replicas.name
+    replica_of: dict[int, str] = {}
+    outcome: dict[int, tuple[str, str]] = {}  # index -> ("done", text) | ("error", code)
+
+    def stream(index: int) -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": prompts[index]}],
+                "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True}
+        text, result = [], ("hung", "")
+        with requests.post(f"{HTTP}/v1/chat/completions", json=body, stream=True, timeout=300) as response:
+            replica_of[index] = response.headers["x-dspark-replica"]
+            if response.status_code != 200:
+                result = ("refused", str(response.status_code))
+            for line in response.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result = ("error", chunk["error"]["code"])
+                    break
+                choice = chunk["choices"][0]
+                text.append(choice["delta"].get("content") or "")
+                if choice["finish_reason"]:
+                    result = ("done", "".join(text))
+        outcome[index] = result
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 120
+    while len(replica_of) < len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(set(replica_of.values())) == 2, f"Serve sent every request to one replica: {replica_of}"
+    hit = replica_of[0]
+    (other,) = set(health) - {hit}
+    time.sleep(1.0)  # decoding has started on both
+    os.kill(health[hit]["actors"]["target_shards"][0], signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a request hung after the shard died"
+    on_hit = [i for i in range(len(prompts)) if replica_of[i] == hit]
+    on_other = [i for i in range(len(prompts)) if replica_of[i] == other]
+    print(f"replica {hit}: {[outcome[i][0] for i in on_hit]}; replica {other}: {[outcome[i][0] for i in on_other]}")
+    # the other replica: every request completes, exactly the target's greedy output
+    assert [outcome[i] for i in on_other] == [("done", expected[i]) for i in on_other]
+    # the hit replica: each in-flight request either had finished (exactly) or ends with a retryable error
+    assert all(outcome[i] in (("done", expected[i]), ("error", "unavailable")) for i in on_hit)
+    assert any(outcome[i] == ("error", "unavailable") for i in on_hit)
+    # both replicas serve again: the hit one restarted its actors in its own placement group
+    deadline = time.monotonic() + 240
+    while True:
+        after = replica_health(timeout_s=240)
+        if after[hit]["actors"]["target_shards"] != health[hit]["actors"]["target_shards"]:
+            break
+        assert time.monotonic() < deadline, "the hit replica did not restart its shard"
+        time.sleep(2)
+    assert after[other]["actors"] == health[other]["actors"]  # the other replica's actors were never touched
