@@ -75,13 +75,24 @@ def make_engine(target, tokenizer, drafter=None, profile=FLAT_PROFILE, **overrid
     return Engine(target, tokenizer, drafter, cfg, feature_layers=layers, profile=profile)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+RAY_METRICS_PORT = free_port()  # the node's metrics agent: Prometheus text of every ray.util.metrics series
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster for the whole test session (2 logical CPUs; actors take fractions)."""
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=RAY_METRICS_PORT)
     yield ray
     try:
         from ray import serve

@@ -19,7 +19,7 @@ from dspark.schema import load_engine_config, write_variant
 from dspark.v1 import serving_pb2 as pb
 from dspark.v1 import serving_pb2_grpc
 
-from conftest import REPO, benchmark_prompts
+from conftest import RAY_METRICS_PORT, REPO, benchmark_prompts
 
 pytestmark = pytest.mark.slow
 KEY = "test-key-123"
@@ -123,6 +123,34 @@ def test_prometheus_counters_match_dspark_bench(served, engine):
         "request_success_total", finished_reason="stop") == len(texts)
     assert after[("dspark:time_to_first_token_seconds_count", ())] >= len(texts)
     assert 0 <= after[("dspark:kv_cache_usage_perc", ())] <= 1 and after[("dspark:speculation_enabled", ())] == 1
+    # the same series reach Ray's metrics agent (what a cluster-wide Prometheus scrapes) as ray_dspark_*
+    wanted = {name.replace("dspark:", "ray_dspark_"): value for (name, labels), value in after.items()
+              if name.startswith("dspark:spec_decode_num_") and name.endswith("_total")
+              for name in [name + "".join(f"|{k}={v}" for k, v in labels)]}
+    assert len(wanted) >= 4 + len(rates)
+    deadline, exported = time.monotonic() + 90, {}
+    while time.monotonic() < deadline:  # Ray's agent exports every ~10 s
+        exported = ray_exported(MODEL)
+        if any(series == wanted for series in exported.values()):  # one replica's worker has exactly these values
+            break
+        time.sleep(2)
+    assert any(series == wanted for series in exported.values()), (wanted, exported)
+
+
+def ray_exported(model: str) -> dict[str, dict[str, float]]:
+    """Per Ray worker: the ray_dspark_spec_decode_num_*_total series of ``model`` from the node's metrics agent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"http://127.0.0.1:{RAY_METRICS_PORT}/metrics", timeout=30).text
+    workers: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name.startswith("ray_dspark_spec_decode_num_") and sample.name.endswith("_total") and \
+                    labels.get("model_name") == model:
+                extra = "".join(f"|{k}={labels[k]}" for k in sorted(labels) if k == "position")
+                workers.setdefault(labels["WorkerId"], {})[sample.name + extra] = sample.value
+    return workers
 
 
 def test_openai_client_greedy_equals_in_process(client, engine):
