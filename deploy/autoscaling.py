@@ -17,7 +17,9 @@ so a falling acceptance length lowers every replica's capacity. The offered dema
     desired = ceil(demand / (target_utilisation * mean capacity))
 replicas. It scales up as soon as ``desired`` exceeds the current count; it scales down only
 after ``downscale_cycles`` consecutive decisions in which even ``current - 1`` replicas would
-stay below ``(1 - hysteresis) * target_utilisation``, so a noisy metric does not flap. Serve
+stay below ``(1 - hysteresis) * target_utilisation``, so a noisy metric does not flap, and then
+keeps asking for fewer for as long as that holds (Serve scales down only after the lower
+decision has stood for ``downscale_delay_s``). Serve
 then clamps to ``min_replicas``/``max_replicas`` and applies its up/down delays.
 
 One deployment = one replica kind: each Serve replica owns its router, target shard actors and
@@ -95,11 +97,9 @@ class AcceptanceLengthPolicy:
         if up > current:
             state["below"] = 0
             decision = up
-        elif down < current:
-            state["below"] = state.get("below", 0) + 1
+        elif down < current:  # once patient enough, keep asking while it holds: Serve's downscale_delay_s
+            state["below"] = state.get("below", 0) + 1  # needs a sustained lower decision, not one in three
             decision = down if state["below"] >= self.downscale_cycles else current
-            if decision < current:
-                state["below"] = 0
         else:
             state["below"] = 0
             decision = current

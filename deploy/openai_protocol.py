@@ -112,9 +112,7 @@ class SpecStats(BaseModel):
 
     @classmethod
     def from_metrics(cls, m: SpecMetrics) -> SpecStats:
-        return cls(acceptance_length=m.completion_tokens / max(m.verify_steps, 1), verify_steps=m.verify_steps,
-                   draft_tokens=m.num_draft_tokens, accepted_tokens=m.num_accepted_tokens,
-                   accepted_per_position=list(m.accepted_per_pos))
+        return cls(**m.request_summary())
 
 
 class ErrorBody(BaseModel):

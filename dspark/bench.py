@@ -27,8 +27,9 @@ def read_prompts(path: Path, limit: int | None) -> list[str]:
 
 
 def run_prompts(engine: Engine, prompts: list[list[int]], params: SamplingParams, progress: str = "") -> dict:
-    """Decode prompts one at a time (batch 1); returns metrics, seconds and the time split."""
-    metrics = SpecMetrics()
+    """Decode prompts one at a time (batch 1); returns pooled metrics, each request's summary (what the
+    server returns with a response), seconds and the time split."""
+    metrics, requests = SpecMetrics(), []
     engine.timings = dict.fromkeys(engine.timings, 0.0)
     seconds = 0.0
     for i, ids in enumerate(prompts):
@@ -37,13 +38,15 @@ def run_prompts(engine: Engine, prompts: list[list[int]], params: SamplingParams
         while engine.has_unfinished():
             engine.step()
         seconds += time.perf_counter() - start
-        metrics = metrics.merge(engine.result(rid).metrics)
+        finished = engine.result(rid).metrics
+        metrics = metrics.merge(finished)
+        requests.append(finished.request_summary())
         if progress:
             print(f"\r[bench] {progress} {i + 1}/{len(prompts)} prompts, {metrics.completion_tokens} tokens, "
                   f"{metrics.completion_tokens / max(seconds, 1e-9):.1f} tok/s", end="", flush=True)
     if progress:
         print(flush=True)
-    return {"metrics": metrics, "seconds": seconds, "timings": dict(engine.timings)}
+    return {"metrics": metrics, "requests": requests, "seconds": seconds, "timings": dict(engine.timings)}
 
 
 def summarise(run: dict, prompts: int) -> dict:
@@ -63,6 +66,7 @@ def summarise(run: dict, prompts: int) -> dict:
         "seconds": run["seconds"],
         "tokens_per_s": m.completion_tokens / max(run["seconds"], 1e-9),
         "time_split_s": run["timings"],
+        "requests": run.get("requests", []),
     }
 
 

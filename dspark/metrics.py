@@ -66,6 +66,12 @@ class SpecMetrics:
     def acceptance_rate_per_pos(self) -> list[float]:
         return [a / self.num_drafts for a in self.accepted_per_pos] if self.num_drafts else []
 
+    def request_summary(self) -> dict:
+        """One request's statistics, as returned with its response (``spec``) and listed by ``dspark bench``."""
+        return {"acceptance_length": self.completion_tokens / max(self.verify_steps, 1),
+                "verify_steps": self.verify_steps, "draft_tokens": self.num_draft_tokens,
+                "accepted_tokens": self.num_accepted_tokens, "accepted_per_position": list(self.accepted_per_pos)}
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(

@@ -49,6 +49,19 @@ def test_rising_acceptance_scales_down_after_the_hysteresis_cycles():
     assert decisions == [3, 3, 1, 1]  # two cycles of patience, then down to what the load needs
 
 
+def test_the_down_decision_is_sustained_while_serve_waits_out_its_delay():
+    """Serve applies a lower decision only after it has stood for downscale_delay_s: while the replica count
+    has not changed yet, the policy must keep asking for fewer, not fall back to the current count."""
+    policy = AcceptanceLengthPolicy(target_utilisation=0.7, downscale_cycles=3)
+    state, decisions = {}, []
+    for _ in range(8):  # Serve has not acted yet: still 3 replicas
+        n, state = policy(context([replica(3.5, 50)] * 3, 3, state))
+        decisions.append(n)
+    assert decisions == [3, 3, 1, 1, 1, 1, 1, 1]
+    n, state = policy(context([replica(3.5, 150)] * 3, 3, state))  # demand is back: the count holds again
+    assert n == 3 and state["below"] == 0
+
+
 def test_noisy_acceptance_does_not_flap():
     policy = AcceptanceLengthPolicy(target_utilisation=0.7, hysteresis=0.2, downscale_cycles=3)
     rng = random.Random(0)

@@ -156,6 +156,10 @@ def test_cli_bench_writes_results_table_and_plot(tiny_config, tmp_path):
     assert spec["prompts"] == 2 and spec["completion_tokens"] > 0 and spec["verify_steps"] > 0
     assert len(spec["acceptance_rate_per_pos"]) <= results["block_size"]
     assert sum(spec["acceptance_histogram"]) == spec["num_drafts"]
+    requests = spec["requests"]  # each request's own summary, as the server returns it; the pooled figures add up
+    assert len(requests) == 2 and sum(r["accepted_tokens"] for r in requests) == spec["num_accepted_tokens"]
+    assert sum(r["verify_steps"] for r in requests) == spec["verify_steps"]
+    assert sum(r["acceptance_length"] for r in requests) / 2 == pytest.approx(spec["acceptance_length_per_request"])
     assert results["benchmarks"]["mbpp"]["speedup"] > 0 and set(spec["time_split_s"]) >= {"draft", "verify"}
     assert "| mbpp | 2 |" in results["markdown"] and "**Pooled**" in run.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
