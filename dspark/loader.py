@@ -42,7 +42,7 @@ def build_engine(cfg: EngineFileConfig, speculate: bool | None = None) -> Engine
     engine_cfg = cfg.engine.to_core(cfg.target.dtype)
     if speculate is not None:
         engine_cfg = replace(engine_cfg, speculate=speculate)
-    target = load_target(target_path, cfg.target.dtype)
+    target = load_target(target_path, cfg.target.dtype, fp8_weights=cfg.target.fp8_mode(on_gpu=False))
     tokenizer = load_tokenizer(target_path)
     drafter = build_drafter(cfg, target, engine_cfg)
     layers = drafter.model.config.target_layer_ids if drafter else ()

@@ -32,6 +32,16 @@ class TargetSpec(_Strict):
     architecture: str | None = Field(None, description="A config.json describing the target, for sizing and "
                                                        "validating a deployment before its weights are on this "
                                                        "machine (default: the one in path).")
+    fp8_weights: Literal["auto", "load", "matmul"] = Field(
+        "auto", description="FP8 block-quantised checkpoints: 'load' dequantises into dtype once at load (fast "
+                            "on CPUs, twice the memory of FP8 for bf16), 'matmul' keeps one byte per weight and "
+                            "dequantises per matmul, 'auto' = matmul on GPUs, load on CPUs.")
+
+    def fp8_mode(self, on_gpu: bool) -> str:
+        """'load' or 'matmul' for a target running on a GPU or not."""
+        if self.fp8_weights != "auto":
+            return self.fp8_weights
+        return "matmul" if on_gpu else "load"
 
 
 class DraftSpec(_Strict):
@@ -228,6 +238,9 @@ def write_variant(config: EngineFileConfig, out: str | Path, **updates: dict) ->
     data["target"]["path"] = str(config.resolve(config.target.path).resolve())
     if config.draft.path:
         data["draft"]["path"] = str(config.resolve(config.draft.path).resolve())
+    for section in ("target", "draft"):
+        if data[section].get("architecture"):
+            data[section]["architecture"] = str(config.resolve(data[section]["architecture"]).resolve())
     for section, values in updates.items():
         data[section].update(values)
     try:

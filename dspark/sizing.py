@@ -144,8 +144,9 @@ def deployment_from_config(path: str | Path) -> Deployment:
     target_json = _architecture(config, config.target)
     draft = draft_config_from_json(_architecture(config, config.draft)) if config.draft.path else None
     quant = target_json.get("quantization_config") or {}
-    weight_bytes = 1.0 if quant.get("quant_method") == "fp8" else {"float32": 4.0, "float64": 8.0}.get(
-        config.target.dtype, 2.0)
+    fp8_resident = quant.get("quant_method") == "fp8" and config.target.fp8_mode(
+        on_gpu=config.runtime.shard_gpus > 0) == "matmul"  # dequantised at load, FP8 weights take dtype's bytes
+    weight_bytes = 1.0 if fp8_resident else {"float32": 4.0, "float64": 8.0}.get(config.target.dtype, 2.0)
     return Deployment(DecoderConfig.from_hf(target_json), draft, config.runtime.tp_size,
                       config.runtime.expert_parallel, config.engine.max_num_seqs, config.engine.kv_cache_tokens,
                       weight_bytes)

@@ -5,9 +5,11 @@ tensor- or expert-parallel group, checks every tensor name and shape against the
 headers, and only then reads data: for each parameter this rank keeps, only its slice of the
 checkpoint tensor (safetensors maps the file, so a slice costs its own bytes, not the whole
 tensor's). Experts that live on other ranks are never read. FP8 (e4m3) weights with block
-scales (``weight_scale_inv``) are dequantised slice by slice into the compute dtype, reading
-only the scale blocks that cover the slice: CPUs have no FP8 matmul, and the native path runs
-the same code on CPU and GPU; FP8 GPU kernels are the vLLM path's business.
+scales (``weight_scale_inv``) are read slice by slice with only the scale blocks that cover the
+slice, then either dequantised into the compute dtype at load (CPUs have no FP8 matmul) or kept
+in FP8 and dequantised per matmul (``FP8Linear``: one byte per weight stays resident, which is
+what lets a 1T-parameter target fit 8 GPUs); ``target.fp8_weights`` chooses, ``auto`` keeps FP8
+on GPUs.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
 
 from dspark.config import ConfigError, DecoderConfig
-from dspark.fp8 import dequantize, scale_blocks
+from dspark.fp8 import FP8Linear, dequantize, scale_blocks
 from dspark.target_model import DTYPES, TargetModel
 from dspark.tensor_parallel import AllReduce, TensorSlice, checkpoint_source, shard_target
 
@@ -81,20 +84,33 @@ class CheckpointReader:
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
+    def is_quantised(self, name: str) -> bool:
+        return name + SCALE_SUFFIX in self
+
+    def read_fp8(self, name: str, part: TensorSlice | None,
+                 block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """This rank's ``part`` of FP8 weight ``name``: (e4m3 weight, the scale blocks covering it, the
+        offset of the slice inside its first block); only those bytes are read."""
+        full = self.shape(name)
+        if part is None:
+            return self.read_raw(name), self.read_raw(name + SCALE_SUFFIX), (0, 0)
+        start, end = part.bounds(full[part.dim])
+        first, last, into = scale_blocks(start, end, block[part.dim])
+        weight = self.read_raw(name, part.dim, start, end)
+        scale = self.read_raw(name + SCALE_SUFFIX, part.dim, first, last)
+        return weight, scale, (into, 0) if part.dim == 0 else (0, into)
+
     def read(self, name: str, part: TensorSlice | None, dtype: torch.dtype,
              block: tuple[int, int] | None) -> torch.Tensor:
         """This rank's ``part`` of tensor ``name`` (all of it when None) in ``dtype``, FP8 dequantised."""
-        full = self.shape(name)
-        start, end = part.bounds(full[part.dim]) if part else (0, None)
-        dim = part.dim if part else 0
-        tensor = self.read_raw(name, dim, start, end)
-        scale_name = name + SCALE_SUFFIX
-        if scale_name in self and block is not None:
-            if end is None:
-                return dequantize(tensor, self.read_raw(scale_name), block, dtype)
-            first, last, into = scale_blocks(start, end, block[dim])
-            scale = self.read_raw(scale_name, dim, first, last)
-            return dequantize(tensor, scale, block, dtype, (into, 0) if dim == 0 else (0, into))
+        if block is not None and self.is_quantised(name):
+            weight, scale, offset = self.read_fp8(name, part, block)
+            return dequantize(weight, scale, block, dtype, offset)
+        if part is None:
+            tensor = self.read_raw(name)
+        else:
+            start, end = part.bounds(self.shape(name)[part.dim])
+            tensor = self.read_raw(name, part.dim, start, end)
         if tensor.dtype == torch.float8_e4m3fn:
             raise ConfigError(name, "FP8 tensor without a weight_scale_inv (or no quantization_config)")
         return tensor.to(dtype)
@@ -142,11 +158,13 @@ def _check_against(reader: CheckpointReader, model: TargetModel) -> None:
 
 
 def load_target(path: str | Path, dtype: str = "float32", shard: ShardSpec = ShardSpec(),
-                all_reduce: AllReduce | None = None, reader: CheckpointReader | None = None) -> TargetModel:
+                all_reduce: AllReduce | None = None, reader: CheckpointReader | None = None,
+                fp8_weights: Literal["load", "matmul"] = "load") -> TargetModel:
     """The target (or this rank's shard of it, reading only its slices) from a checkpoint directory.
 
     ``all_reduce`` sums partial outputs over the shard group; it may bind late (the group forms
-    after loading). Pass a ``reader`` to see how many bytes were read.
+    after loading). Pass a ``reader`` to see how many bytes were read. FP8 weights are dequantised
+    at load (``"load"``) or kept in FP8 and dequantised per matmul (``"matmul"``, ``FP8Linear``).
     """
     path = Path(path)
     hf = _read_hf_config(path)
@@ -166,6 +184,14 @@ def load_target(path: str | Path, dtype: str = "float32", shard: ShardSpec = Sha
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         source, part = checkpoint_source(model, name)
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        if fp8_weights == "matmul" and block is not None and leaf == "weight" and isinstance(owner, nn.Linear) \
+                and reader.is_quantised(source):
+            weight, scale, offset = reader.read_fp8(source, part, block)
+            parent_name, _, child = owner_name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, FP8Linear(weight, scale, block, offset, owner.bias))
+            continue
         state[name] = reader.read(source, part, torch_dtype if tensor.is_floating_point() else tensor.dtype,
                                   block)
     model.load_state_dict(state, strict=False, assign=True)

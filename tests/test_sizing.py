@@ -62,6 +62,21 @@ def test_production_config_fits_one_b300_node(path, capsys):
     assert "of 268 GiB" in out and "expert parallel, 8 GPUs" in out
     # the same script refuses a KV budget that does not fit
     assert main(["--config", str(path), "--gpu-memory-gib", "200"]) == 1
+    assert plan.weight_bytes == 1.0  # on GPUs the FP8 weights stay FP8 (target.fp8_weights: auto -> matmul)
+
+
+def test_fp8_dequantised_at_load_would_not_fit(tmp_path, capsys):
+    """Dequantising Kimi's FP8 weights into bf16 at load doubles them: the sizing says so and refuses."""
+    from dspark.schema import load_engine_config, write_variant
+    from dspark.sizing import deployment_from_config, target_sizing
+
+    path = REPO / "configs" / "kimi-k3.1-pro-b300.yaml"
+    config = load_engine_config(path)
+    variant = write_variant(config, tmp_path / "load.yaml", target={"fp8_weights": "load"})
+    plan, fp8 = deployment_from_config(variant), deployment_from_config(path)
+    per_gpu = [target_sizing(p.target, p.gpus, p.expert_parallel, p.weight_bytes)[1] for p in (plan, fp8)]
+    assert plan.weight_bytes == 2.0 and per_gpu[0] > 1.95 * per_gpu[1]  # (embedding and LM head are bf16 in both)
+    assert main(["--config", str(variant)]) == 1
 
 
 def test_preview_draft_caches_its_mla_latent_only():

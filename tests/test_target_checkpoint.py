@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dspark.config import ConfigError
+from dspark.fp8 import FP8Linear, dequantize
 from dspark.target_checkpoint import CheckpointReader, ShardSpec, load_target
 from dspark.tensor_parallel import shard_target
 from dspark.testing import make_tiny_deepseek, make_tiny_target, quantize_checkpoint
@@ -91,3 +92,30 @@ def test_checkpoint_errors_name_the_tensor(checkpoints, tmp_path):
     save_file(state, str(file))
     with pytest.raises(ConfigError, match=r"missing tensors.*experts\.3\.down_proj"):
         load_target(broken, "float32", ShardSpec(0, 2, True), no_reduce)
+
+
+def test_fp8_weights_kept_in_fp8_match_the_weights_dequantised_at_load(checkpoints):
+    """``fp8_weights="matmul"`` (the GPU default): one byte per weight stays resident, and every matmul sees
+    exactly the weight that dequantising at load gives, sharded or not."""
+    path, dtype = checkpoints["deepseek-fp8"]
+    for shard in (ShardSpec(), ShardSpec(1, 2), ShardSpec(0, 2, expert_parallel=True)):
+        loaded = load_target(path, dtype, shard, no_reduce)
+        kept = load_target(path, dtype, shard, no_reduce, fp8_weights="matmul").to(torch.float32)  # stays FP8
+        fp8 = {name: m for name, m in kept.named_modules() if isinstance(m, FP8Linear)}
+        assert len(fp8) > 20 and all(m.weight.dtype == torch.float8_e4m3fn for m in fp8.values())
+        for name, module in fp8.items():
+            expected = loaded.get_submodule(name).weight
+            got = dequantize(module.weight, module.weight_scale_inv, module.block, expected.dtype, module.offset)
+            assert torch.equal(got, expected), name
+        resident = sum(m.weight.numel() * m.weight.element_size() for m in fp8.values())
+        assert resident * 4 == sum(loaded.get_submodule(n).weight.numel() * 4 for n in fp8)  # 1 byte vs fp32's 4
+    loaded, kept = load_target(path, dtype), load_target(path, dtype, fp8_weights="matmul")
+    ids = torch.randint(0, loaded.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for model in (loaded, kept):
+        cache = model.make_cache(128, 16)
+        for seq in range(2):
+            cache.allocator.reserve(seq, 12)
+        meta = cache.allocator.metadata([0, 1], [0, 0], [12, 12])
+        logits.append(model(ids, torch.arange(12).expand(2, -1), cache, meta).logits)
+    assert torch.allclose(logits[0], logits[1], atol=1e-5, rtol=0)
