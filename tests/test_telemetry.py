@@ -118,3 +118,22 @@ def test_tracing_exporter_is_validated():
     assert make_provider("console") is not None
     with pytest.raises(ConfigError, match="serving.tracing"):
         make_provider("zipkin")
+
+
+def test_grafana_dashboard_queries_only_metrics_the_replicas_export():
+    """Every series the shipped dashboard plots is one of ours, under Ray's name, with its kind's suffix."""
+    import json
+    import re
+
+    from actors.telemetry import METRICS
+
+    from conftest import REPO
+
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "dspark-dashboard.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    names = set(re.findall(r"ray_dspark_([a-z0-9_]+)", " ".join(exprs)))
+    suffix = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+    exported = {spec.name + s for spec in METRICS for s in suffix[spec.kind]}
+    assert len(exprs) >= 15 and names and names <= exported, names - exported
+    kinds = {spec.kind for spec in METRICS if any(n.startswith(spec.name) for n in names)}
+    assert kinds == {"counter", "gauge", "histogram"}
