@@ -261,7 +261,7 @@ class Router(Engine):
         if self._pending_drafter is not None:
             ray.kill(self._pending_drafter[0], no_restart=True)
         self.shards, self.drafter, self._pending_drafter = [], None, None
-        self.actor_pids: dict = {}  # process ids of this replica's actors, for operators (GET /health)
+        self.actor_pids = {}
 
     def shutdown(self) -> None:
         self._kill_actors()

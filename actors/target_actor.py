@@ -48,8 +48,7 @@ class TargetShard:
         reader = CheckpointReader(path)
         shard = ShardSpec(rank, self.world, runtime.expert_parallel)
         self.model = load_target(path, config.target.dtype, shard, lambda t: self._all_reduce(t), reader,
-                                 config.target.fp8_mode(on_gpu=self.device.type == "cuda"))
-        self.model.to(self.device)
+                                 config.target.fp8_mode(on_gpu=self.device.type == "cuda"), self.device)
         self.checkpoint_bytes_read = reader.bytes_read  # this shard's slice only
         self.full_config: DecoderConfig = read_target_config(path)
         self.runner: TargetRunner | None = None

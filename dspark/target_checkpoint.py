@@ -91,10 +91,9 @@ class CheckpointReader:
                  block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         """This rank's ``part`` of FP8 weight ``name``: (e4m3 weight, the scale blocks covering it, the
         offset of the slice inside its first block); only those bytes are read."""
-        full = self.shape(name)
         if part is None:
             return self.read_raw(name), self.read_raw(name + SCALE_SUFFIX), (0, 0)
-        start, end = part.bounds(full[part.dim])
+        start, end = part.bounds(self.shape(name)[part.dim])
         first, last, into = scale_blocks(start, end, block[part.dim])
         weight = self.read_raw(name, part.dim, start, end)
         scale = self.read_raw(name + SCALE_SUFFIX, part.dim, first, last)
@@ -159,12 +158,13 @@ def _check_against(reader: CheckpointReader, model: TargetModel) -> None:
 
 def load_target(path: str | Path, dtype: str = "float32", shard: ShardSpec = ShardSpec(),
                 all_reduce: AllReduce | None = None, reader: CheckpointReader | None = None,
-                fp8_weights: Literal["load", "matmul"] = "load") -> TargetModel:
+                fp8_weights: Literal["load", "matmul"] = "load", device: torch.device | str = "cpu") -> TargetModel:
     """The target (or this rank's shard of it, reading only its slices) from a checkpoint directory.
 
     ``all_reduce`` sums partial outputs over the shard group; it may bind late (the group forms
     after loading). Pass a ``reader`` to see how many bytes were read. FP8 weights are dequantised
     at load (``"load"``) or kept in FP8 and dequantised per matmul (``"matmul"``, ``FP8Linear``).
+    Each tensor goes to ``device`` as it is read: host memory never holds the whole shard.
     """
     path = Path(path)
     hf = _read_hf_config(path)
@@ -190,10 +190,11 @@ def load_target(path: str | Path, dtype: str = "float32", shard: ShardSpec = Sha
                 and reader.is_quantised(source):
             weight, scale, offset = reader.read_fp8(source, part, block)
             parent_name, _, child = owner_name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, FP8Linear(weight, scale, block, offset, owner.bias))
+            setattr(model.get_submodule(parent_name), child,
+                    FP8Linear(weight.to(device), scale.to(device), block, offset, owner.bias))
             continue
         state[name] = reader.read(source, part, torch_dtype if tensor.is_floating_point() else tensor.dtype,
-                                  block)
+                                  block).to(device)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -202,7 +203,7 @@ def load_target(path: str | Path, dtype: str = "float32", shard: ShardSpec = Sha
         raise ConfigError("checkpoint", f"tensors not loaded: {left[:5]}")
     for param in model.parameters():
         param.requires_grad_(False)
-    return model.to(torch_dtype).eval()
+    return model.to(device=device, dtype=torch_dtype).eval()
 
 
 def load_target_head(path: str | Path, dtype: str = "float32") -> tuple[DecoderConfig, nn.Embedding, nn.Linear]:
