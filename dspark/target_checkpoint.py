@@ -84,6 +84,13 @@ class CheckpointReader:
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
+    def read_part(self, name: str, part: TensorSlice | None) -> torch.Tensor:
+        """This rank's ``part`` of a stored tensor (all of it when None), in its stored dtype."""
+        if part is None:
+            return self.read_raw(name)
+        start, end = part.bounds(self.shape(name)[part.dim])
+        return self.read_raw(name, part.dim, start, end)
+
     def is_quantised(self, name: str) -> bool:
         return name + SCALE_SUFFIX in self
 
@@ -91,11 +98,11 @@ class CheckpointReader:
                  block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         """This rank's ``part`` of FP8 weight ``name``: (e4m3 weight, the scale blocks covering it, the
         offset of the slice inside its first block); only those bytes are read."""
+        weight = self.read_part(name, part)
         if part is None:
-            return self.read_raw(name), self.read_raw(name + SCALE_SUFFIX), (0, 0)
+            return weight, self.read_raw(name + SCALE_SUFFIX), (0, 0)
         start, end = part.bounds(self.shape(name)[part.dim])
         first, last, into = scale_blocks(start, end, block[part.dim])
-        weight = self.read_raw(name, part.dim, start, end)
         scale = self.read_raw(name + SCALE_SUFFIX, part.dim, first, last)
         return weight, scale, (into, 0) if part.dim == 0 else (0, into)
 
@@ -105,11 +112,7 @@ class CheckpointReader:
         if block is not None and self.is_quantised(name):
             weight, scale, offset = self.read_fp8(name, part, block)
             return dequantize(weight, scale, block, dtype, offset)
-        if part is None:
-            tensor = self.read_raw(name)
-        else:
-            start, end = part.bounds(self.shape(name)[part.dim])
-            tensor = self.read_raw(name, part.dim, start, end)
+        tensor = self.read_part(name, part)
         if tensor.dtype == torch.float8_e4m3fn:
             raise ConfigError(name, "FP8 tensor without a weight_scale_inv (or no quantization_config)")
         return tensor.to(dtype)
