@@ -13,7 +13,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.attention import attend
 from dspark.config import DecoderConfig, RopeConfig
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that gives a row the same bf16/fp16 result on the CPU whatever the batch shape.
+
+    oneDNN runs a single row through a GEMV kernel and two or more rows through a GEMM kernel; the
+    two round differently (measured on SmolLM2's ``down_proj``: 2 of 8 rows differ), so a position
+    decoded alone would get other logits than the same position verified inside a block. A single
+    row therefore runs as two; the GEMM's per-row result does not depend on the number of rows.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != x.shape[-1] or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(1, -1).expand(2, -1)  # no copy; oneDNN still takes the GEMM path
+        return F.linear(rows, self.weight, self.bias)[:1].reshape(*x.shape[:-1], -1)
 
 
 class RMSNorm(nn.Module):
@@ -147,31 +164,12 @@ class MoE(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def attend(
-    q: torch.Tensor,  # [B, Q, H, Dqk]
-    k: torch.Tensor,  # [B, L, Hkv, Dqk]
-    v: torch.Tensor,  # [B, L, Hkv, Dv]
-    mask: torch.Tensor,  # [B, Q, L] bool, True = may attend
-    scale: float,
-) -> torch.Tensor:  # [B, Q, H * Dv]
-    batch, q_len, heads, _ = q.shape
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask[:, None, :, :],
-        scale=scale,
-        enable_gqa=heads != k.shape[2],
-    )
-    return out.transpose(1, 2).reshape(batch, q_len, -1)
 
 
 class GQAAttention(nn.Module):
@@ -181,10 +179,10 @@ class GQAAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         hidden, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rope)
@@ -231,15 +229,15 @@ class MLAAttention(nn.Module):
         self.kv_lora_rank = cfg.kv_lora_rank
         hidden, qk_dim = cfg.hidden_size, cfg.qk_head_dim
         if cfg.q_lora_rank:
-            self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_proj = Linear(hidden, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * qk_dim, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, self.num_heads * qk_dim, bias=False)
         else:
-            self.q_proj = nn.Linear(hidden, self.num_heads * qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=cfg.attention_bias)
+            self.q_proj = Linear(hidden, self.num_heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=cfg.attention_bias)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=cfg.attention_bias)
         self.rotary = RotaryEmbedding(self.rope_dim, cfg.rope)
         self.rotary.attention_scaling = 1.0  # YaRN's mscale goes into the softmax scale for MLA
         self.interleave = cfg.rope_interleave

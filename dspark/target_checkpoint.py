@@ -24,6 +24,7 @@ from torch import nn
 
 from dspark.config import ConfigError, DecoderConfig
 from dspark.fp8 import FP8Linear, dequantize, scale_blocks
+from dspark.layers import Linear
 from dspark.target_model import DTYPES, TargetModel
 from dspark.tensor_parallel import AllReduce, TensorSlice, checkpoint_source, shard_target
 
@@ -222,6 +223,6 @@ def load_target_head(path: str | Path, dtype: str = "float32") -> tuple[DecoderC
     embed_weight = reader.read("embed_tokens.weight", None, torch_dtype, None)
     head_weight = embed_weight if cfg.tie_word_embeddings else reader.read(head_name, None, torch_dtype, None)
     embed = nn.Embedding.from_pretrained(embed_weight, freeze=True)
-    lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=torch_dtype)
+    lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=torch_dtype)
     lm_head.weight = nn.Parameter(head_weight, requires_grad=False)
     return cfg, embed, lm_head

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dspark.config import ConfigError
-from dspark.layers import MLP, GQAAttention, MLAAttention, MoE
+from dspark.layers import MLP, GQAAttention, Linear, MLAAttention, MoE
 from dspark.target_model import TargetModel
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the ranks, returns it
@@ -70,8 +70,8 @@ def _slice_linear(linear: nn.Linear, dim: int, index: int, parts: int) -> nn.Lin
     bias = linear.bias
     if bias is not None and dim == 0:
         bias = bias.detach()[start:end].clone()
-    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None and dim == 0,
-                    dtype=weight.dtype, device=weight.device)
+    out = Linear(weight.shape[1], weight.shape[0], bias=bias is not None and dim == 0,
+                 dtype=weight.dtype, device=weight.device)
     out.weight = nn.Parameter(weight, requires_grad=False)
     if out.bias is not None:
         out.bias = nn.Parameter(bias, requires_grad=False)

@@ -77,6 +77,25 @@ def test_shipped_draft_loads_and_is_lossless_on_the_embedded_default(smollm2):
     assert engine.metrics.acceptance_length > 1.3  # a trained head: a random one stays near 1.0
 
 
+def test_bf16_speculative_greedy_is_bit_exact_with_the_shipped_head(smollm2):
+    """In bf16 the batch-invariant kernels make speculation exact, not just equal up to near-ties."""
+    from dspark.checkpoint import load_draft
+
+    path, _, tok = smollm2
+    target = load_target(path, "bfloat16")
+    draft = load_draft(Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-dspark", target.config,
+                       torch.bfloat16).bind_target(target.embed_tokens, target.lm_head)
+    prompts = [encode_prompt(tok, p, chat=True) for name in ("humaneval", "gsm8k", "mt-bench")
+               for p in benchmark_prompts(name, 2)]
+    params = SamplingParams(max_tokens=48, temperature=0)
+    plain = Engine(target, tok, None, EngineConfig(speculate=False, kv_cache_tokens=4096)).generate(prompts, params)
+    spec_engine = Engine(target, tok, DSparkDrafter(draft, 4096, 16, 64),
+                         EngineConfig(kv_cache_tokens=4096, max_num_seqs=4, scheduler="full"), (2, 7, 21, 26, 28))
+    spec = spec_engine.generate(prompts, params)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert spec_engine.metrics.acceptance_length > 1.2  # drafts were really accepted, not all rejected
+
+
 def test_converted_target_matches_transformers(smollm2):
     """Our code on the prepared checkpoint = transformers on the same directory (RoPE theta 1e5 included)."""
     from transformers import AutoModelForCausalLM
