@@ -55,30 +55,29 @@ def chunked_attend(
     scale: float,
 ) -> torch.Tensor:  # [B, Q, H * Dv]
     """Batch-invariant attention: each row's result depends only on its query and visible keys."""
-    batch, q_len, heads, _ = q.shape
+    batch, q_len, heads, dqk = q.shape
     keys_len, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = heads // kv_heads
-    pad = -keys_len % CHUNK
-    chunks = (keys_len + pad) // CHUNK
-    if pad:
-        k, v = F.pad(k, (0, 0, 0, 0, 0, pad)), F.pad(v, (0, 0, 0, 0, 0, pad))
-        mask = F.pad(mask, (0, pad))
-    # queries of one kv head's group become rows: [B, Hkv, group * Q, D]
-    rows = q.unflatten(2, (kv_heads, group)).permute(0, 2, 3, 1, 4).flatten(2, 3)
-    single = rows.shape[2] == 1  # one row would take the GEMV kernel, which rounds differently
-    if single:
-        rows, mask = rows.repeat(1, 1, 2, 1), mask.repeat(1, 2, 1)
-    scores = torch.matmul(rows, k.permute(0, 2, 3, 1)).float() * scale  # [B, Hkv, group * Q, Lp]
-    visible = mask[:, None, None].expand(-1, kv_heads, group, -1, -1).flatten(2, 3)[:, :, :rows.shape[2]]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    top = scores.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows that see nothing
-    weights = torch.exp(scores - top).unflatten(-1, (chunks, CHUNK))  # [B, Hkv, GQ, n, C]
-    total = weights.sum(-1).cumsum(-1)[..., -1:]  # [B, Hkv, GQ, 1]
-    values = v.permute(0, 2, 1, 3).unflatten(2, (chunks, CHUNK))  # [B, Hkv, n, C, Dv]
-    partial = torch.matmul(weights.transpose(2, 3).to(v.dtype), values)  # [B, Hkv, n, GQ, Dv]
-    out = partial.float().cumsum(2)[:, :, -1] / total.clamp_min(1e-30)  # [B, Hkv, GQ, Dv]
-    if single:
-        out = out[:, :, :1]
-    out = out.unflatten(2, (group, q_len)).permute(0, 3, 1, 2, 4)  # [B, Q, Hkv, group, Dv]
-    return out.reshape(batch, q_len, heads * dv).to(q.dtype)
+    if group * q_len == 1:  # one row per matmul would take the GEMV kernel, which rounds differently
+        return chunked_attend(q.expand(-1, 2, -1, -1), k, v, mask.expand(-1, 2, -1), scale)[:, :1]
+    chunks = -(-keys_len // CHUNK)
+    # keys and values in chunk layout, zero past the end: [B, Hkv, n, C, D]
+    k_chunks = k.new_zeros(batch, kv_heads, chunks * CHUNK, dqk)
+    k_chunks[:, :, :keys_len] = k.transpose(1, 2)
+    v_chunks = v.new_zeros(batch, kv_heads, chunks * CHUNK, dv)
+    v_chunks[:, :, :keys_len] = v.transpose(1, 2)
+    k_chunks, v_chunks = k_chunks.unflatten(2, (chunks, CHUNK)), v_chunks.unflatten(2, (chunks, CHUNK))
+    # the queries of one kv head's group are the rows of its matmuls: [B, Hkv, 1, group * Q, D]
+    rows = q.unflatten(2, (kv_heads, group)).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, 1, group * q_len, dqk)
+    scores = torch.matmul(rows, k_chunks.transpose(-1, -2)).float()  # [B, Hkv, n, group * Q, C]
+    bias = torch.full((batch, q_len, chunks * CHUNK), float("-inf"), device=q.device)
+    bias[:, :, :keys_len].masked_fill_(mask, 0.0)
+    bias = bias.unflatten(2, (chunks, CHUNK)).transpose(1, 2)[:, None, :, None]  # [B, 1, n, 1, Q, C]
+    scores = scores.unflatten(3, (group, q_len)) * scale + bias  # [B, Hkv, n, group, Q, C]
+    top = scores.amax(dim=(2, 5), keepdim=True).clamp_min(-1e30)  # rows that see nothing: weights 0
+    weights = torch.exp(scores - top)
+    total = weights.sum(-1).cumsum(2)[:, :, -1]  # [B, Hkv, group, Q], chunks summed in order
+    partial = torch.matmul(weights.flatten(3, 4).to(v.dtype), v_chunks)  # [B, Hkv, n, group * Q, Dv]
+    out = partial.float().cumsum(2)[:, :, -1].unflatten(2, (group, q_len))  # [B, Hkv, group, Q, Dv]
+    out = out / total[..., None].clamp_min(1e-30)
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, q_len, heads * dv).to(q.dtype)
