@@ -88,7 +88,7 @@ class Router(Engine):
                                    f"{rt.collective_timeout_s} s (free: {free})") from None
         self.placement, self.bundle_offset = placement, bundle_offset
         self.shards, self.drafter, self._pending_drafter = [], None, None
-        self.actor_pids: dict = {}  # process ids of this replica's actors, for operators (GET /health)
+        self.actor_pids: dict = {"target_shards": [], "drafter": None}  # for operators (GET /health)
         self.drafter_restarts = 0
         self.feature_shard = 0  # the shard with the feature channel (set on connect)
         self._inflight: dict[int, tuple[list[Request], ray.ObjectRef]] = {}
@@ -261,7 +261,7 @@ class Router(Engine):
         if self._pending_drafter is not None:
             ray.kill(self._pending_drafter[0], no_restart=True)
         self.shards, self.drafter, self._pending_drafter = [], None, None
-        self.actor_pids = {}
+        self.actor_pids = {"target_shards": [], "drafter": None}  # same schema while restarting
 
     def shutdown(self) -> None:
         self._kill_actors()
