@@ -8,13 +8,14 @@ in ``work_dir`` outside git.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from dspark.checkpoint import save_draft
-from dspark.config import DecoderConfig, DraftConfig, EngineConfig
+from dspark.checkpoint import load_draft, save_draft
+from dspark.config import ConfigError, DecoderConfig, DraftConfig, EngineConfig
 from dspark.dataset import build_prompts, decontaminate, generate_responses
 from dspark.draft_model import DSparkDraft
 from dspark.engine import Engine
@@ -33,6 +34,9 @@ class DataSpec(_Strict):
     max_tokens: int = Field(256, ge=1, description="Response length cap when regenerating.")
     batch: int = Field(48, ge=1, description="Sequences generated together.")
     time_budget_s: float | None = Field(None, description="Stop generating after this long (resumable).")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype the target generates responses in: the one it is served in. The target "
+                               "cache (features and distributions) is always computed in float32.")
     benchmarks_dir: str = Field("../shared/benchmarks", description="Prompts sharing a 13-word span with "
                                                                     "these are dropped.")
 
@@ -51,6 +55,10 @@ class TrainSpec(_Strict):
     seqs_per_step: int = Field(4, ge=1, description="Sequences per step.")
     anchors_per_seq: int = Field(16, ge=1, description="Random anchors per sequence.")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate (warm-up then cosine).")
+    warmup: int = Field(50, ge=1, description="Linear warm-up steps.")
+    init_from: str | None = Field(
+        None, description="An exported draft (same architecture) to continue from instead of the target's last "
+                          "layers; its training state goes to its own folder under work_dir.")
     time_budget_s: float | None = Field(None, description="Stop training after this long (resumable).")
 
 
@@ -73,8 +81,9 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
     responses = work / "responses.jsonl"
     if "data" in stages:
         prompts = decontaminate(build_prompts(cfg.data.num_prompts), resolve(cfg.data.benchmarks_dir))
-        log(f"[data] {len(prompts)} prompts after decontamination")
-        engine = Engine(target, tokenizer, None, EngineConfig(
+        log(f"[data] {len(prompts)} prompts after decontamination; responses in {cfg.data.dtype}")
+        generator = target if cfg.data.dtype == "float32" else load_target(target_dir, cfg.data.dtype)
+        engine = Engine(generator, tokenizer, None, EngineConfig(
             speculate=False, max_num_seqs=cfg.data.batch, kv_cache_tokens=cfg.data.batch * 1400, max_model_len=2048))
         generate_responses(engine, tokenizer, prompts, responses, cfg.data.max_tokens,
                            time_budget_s=cfg.data.time_budget_s)
@@ -100,19 +109,27 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
                                 verifier_architectures=("LlamaForCausalLM",))
         torch.manual_seed(0)
         draft = DSparkDraft(draft_cfg)
-        init_from_target(draft, target)
+        run = "train" if arch.enable_markov_head else "train_no_markov"
+        if cfg.train.init_from:
+            start = load_draft(resolve(cfg.train.init_from), tc)
+            try:
+                draft.load_state_dict(start.state_dict())
+            except RuntimeError as err:
+                raise ConfigError("train.init_from", f"{cfg.train.init_from} does not match draft: {err}") from err
+            run += "-from-" + Path(cfg.train.init_from).name
+        else:
+            init_from_target(draft, target)
         draft.bind_target(target.embed_tokens, target.lm_head)
         cache = load_target_cache(cache_dir)
         log(f"[train] cache: {len(cache)} sequences, {len(cache.tokens)} tokens")
         tcfg = TrainConfig(steps=cfg.train.steps, seqs_per_step=cfg.train.seqs_per_step,
-                           anchors_per_seq=cfg.train.anchors_per_seq, lr=cfg.train.lr,
+                           anchors_per_seq=cfg.train.anchors_per_seq, lr=cfg.train.lr, warmup=cfg.train.warmup,
                            time_budget_s=cfg.train.time_budget_s)
         if "train" in stages:
             init_stats = heldout_statistics(draft, target, cache, tcfg)
             survival = (init_stats["acceptance"] * init_stats["valid"]).cumprod(1)
             summary["init"] = {"heldout_expected_length": float((1 + survival.sum(1)).mean())}
-        summary["train"] = train(draft, target, cache, tcfg, work / ("train" if arch.enable_markov_head
-                                                                    else "train_no_markov"), log=log)
+        summary["train"] = train(draft, target, cache, tcfg, work / run, log=log)
         summary["data"] = {"sequences": len(cache), "tokens": len(cache.tokens),
                            "response_tokens": sum(o2 - r for r, o2 in zip(cache.response_starts, cache.offsets[1:]))}
         if "export" in stages:

@@ -62,7 +62,8 @@ def test_recipe_end_to_end(tmp_path):
     target_dir = make_tiny_target(tmp_path / "target", stdlib_texts(20), vocab_size=400, num_layers=4)
     cfg = TrainFileConfig(
         target_path=str(target_dir), work_dir=str(tmp_path / "work"), output_dir=str(tmp_path / "draft"),
-        data={"num_prompts": 24, "max_tokens": 40, "batch": 24, "benchmarks_dir": str(SHARED / "benchmarks")},
+        data={"num_prompts": 24, "max_tokens": 40, "batch": 24, "benchmarks_dir": str(SHARED / "benchmarks"),
+              "dtype": "bfloat16"},  # responses from the target as served (bf16), cache in fp32
         draft={"num_layers": 1, "target_layer_ids": [0, 2, 3], "block_size": 4, "markov_rank": 16,
                "mask_token_id": 3},
         train={"steps": 150, "seqs_per_step": 4, "anchors_per_seq": 8, "lr": 3e-3},
@@ -70,6 +71,7 @@ def test_recipe_end_to_end(tmp_path):
     logs = []
     summary = run_recipe(cfg, resolve=Path, log=logs.append)
     assert summary["data"]["response_tokens"] > 500
+    assert any("responses in bfloat16" in line for line in logs)
     cal = summary["calibration"]
     assert len(cal["temperatures"]) == 4
     assert cal["ece_after"][0] <= cal["ece_before"][0] + 1e-12
@@ -83,6 +85,12 @@ def test_recipe_end_to_end(tmp_path):
     assert trained.config.confidence_temperatures == tuple(cal["temperatures"])
     resumed = run_recipe(cfg, resolve=Path, stages=("train",), log=logs.append)
     assert resumed["train"]["steps"] == 150 and any("resumed at step 150" in line for line in logs)
+    # continuing from the exported draft starts where it ended (not from the target's layers)
+    more = cfg.model_copy(update={"output_dir": str(tmp_path / "draft-more"), "train": cfg.train.model_copy(
+        update={"steps": 20, "lr": 3e-4, "init_from": str(tmp_path / "draft")})})
+    continued = run_recipe(more, resolve=Path, stages=("train", "export"), log=logs.append)
+    assert continued["train"]["steps"] == 20 and (tmp_path / "work" / "train-from-draft").is_dir()
+    assert abs(continued["init"]["heldout_expected_length"] - cal["heldout_expected_length"]) < 0.02
     prompts = [tok.encode(p) for p in build_prompts(6, seed=9)]
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     spec = Engine(target, tok, DSparkDrafter(trained, 8192, 16, 64), EngineConfig(kv_cache_tokens=8192),
