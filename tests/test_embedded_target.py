@@ -73,7 +73,8 @@ def test_shipped_draft_loads_and_is_lossless_on_the_embedded_default(smollm2):
     params = SamplingParams(max_tokens=32, temperature=0)
     spec = engine.generate(prompts, params)
     # the reference is plain decoding of the same target, in the config's dtype (bf16)
-    plain = Engine(engine.target, tok, None, EngineConfig(speculate=False, kv_cache_tokens=4096)).generate(prompts, params)
+    plain_engine = Engine(engine.target, tok, None, EngineConfig(speculate=False, kv_cache_tokens=4096))
+    plain = plain_engine.generate(prompts, params)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert engine.metrics.acceptance_length > 1.3  # a trained head: a random one stays near 1.0
 
