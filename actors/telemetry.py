@@ -43,6 +43,8 @@ METRICS = (
     MetricSpec("spec_decode_drafter_fallbacks", "counter", "Request-rounds decoded without drafts after a drafter "
                                                            "failure."),
     MetricSpec("spec_decode_drafter_failures", "counter", "Drafter actor failures (died or timed out)."),
+    MetricSpec("spec_decode_draft_skips", "counter", "Request-rounds the draft gate decoded without drafting "
+                                                     "(the request's recent drafts were below break-even)."),
     MetricSpec("target_restarts", "counter", "Restarts of the replica's target shards (and drafter) after a "
                                              "target failure; the failed step's requests got a retryable error."),
     MetricSpec("spec_decode_acceptance_length", "histogram", "Per-request acceptance length (completion tokens / "
@@ -130,6 +132,7 @@ class ReplicaTelemetry:
         self.inc("spec_decode_num_accepted_tokens", metrics.num_accepted_tokens - last.num_accepted_tokens)
         self.inc("spec_decode_verify_steps", metrics.verify_steps - last.verify_steps)
         self.inc("spec_decode_drafter_fallbacks", metrics.drafter_fallbacks - last.drafter_fallbacks)
+        self.inc("spec_decode_draft_skips", metrics.draft_skips - last.draft_skips)
         self.inc("spec_decode_drafter_failures", metrics.drafter_failures - last.drafter_failures)
         self.inc("generation_tokens", metrics.completion_tokens - last.completion_tokens)
         for pos, count in enumerate(metrics.accepted_per_pos):

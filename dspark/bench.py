@@ -63,6 +63,8 @@ def summarise(run: dict, prompts: int) -> dict:
         "acceptance_length_per_request": m.acceptance_length_per_request,
         "acceptance_rate_per_pos": m.acceptance_rate_per_pos,
         "acceptance_histogram": m.acceptance_histogram,
+        "draft_skips": m.draft_skips,
+        "drafted_round_share": m.num_drafts / max(m.verify_steps - prompts, 1),  # decode rounds with a draft
         "seconds": run["seconds"],
         "tokens_per_s": m.completion_tokens / max(run["seconds"], 1e-9),
         "time_split_s": run["timings"],
@@ -72,19 +74,20 @@ def summarise(run: dict, prompts: int) -> dict:
 
 def markdown_table(results: dict, block: int) -> str:
     lines = [f"| Benchmark | Prompts | Max tokens | Acceptance length | Accept rate, positions 1-{block} | "
-             "Spec tok/s | Plain tok/s | Speed-up |",
-             "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+             "Drafted rounds | Spec tok/s | Plain tok/s | Speed-up |",
+             "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for name, r in results["benchmarks"].items():
         spec, base = r["speculative"], r["baseline"]
         rates = " ".join(f"{x:.2f}" for x in spec["acceptance_rate_per_pos"][:block])
         lines.append(f"| {name} | {spec['prompts']} | {results['max_tokens']} | "
-                     f"{spec['acceptance_length_pooled']:.3f} | {rates} | {spec['tokens_per_s']:.1f} | "
+                     f"{spec['acceptance_length_pooled']:.3f} | {rates} | {spec['drafted_round_share']:.0%} | "
+                     f"{spec['tokens_per_s']:.1f} | "
                      f"{base['tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
     pooled = results["pooled"]
     rates = " ".join(f"{x:.2f}" for x in pooled["acceptance_rate_per_pos"][:block])
     lines.append(f"| **Pooled** | {pooled['prompts']} | | **{pooled['acceptance_length_pooled']:.3f}** | {rates} | "
-                 f"{pooled['tokens_per_s']:.1f} | {pooled['baseline_tokens_per_s']:.1f} | "
-                 f"{pooled['speedup']:.2f}x |")
+                 f"{pooled['drafted_round_share']:.0%} | {pooled['tokens_per_s']:.1f} | "
+                 f"{pooled['baseline_tokens_per_s']:.1f} | {pooled['speedup']:.2f}x |")
     return "\n".join(lines)
 
 

@@ -76,6 +76,8 @@ def _bench(args: argparse.Namespace) -> int:
     cfg = load_engine_config(args.config)
     if args.no_scheduler:
         cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"scheduler": "full"})})
+    if args.no_draft_gate:
+        cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"draft_gate": False})})
     datasets = [Path(d) for d in args.dataset]
     for d in datasets:
         if not d.is_file():
@@ -155,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--block-size", type=int, default=None)
     b.add_argument("--baseline-dtypes", default="float32,bfloat16", help="plain-decoding dtypes; the faster counts")
     b.add_argument("--no-scheduler", action="store_true", help="verify full blocks (scheduler: full)")
+    b.add_argument("--no-draft-gate", action="store_true", help="draft every round (engine.draft_gate: false): "
+                                                                "the head's own acceptance, unselected")
     b.add_argument("--out", default="benchmark_results.json")
     b.add_argument("--plot", default=None, help="PNG of per-position acceptance")
     b.add_argument("--threads", type=int, default=None)

@@ -329,6 +329,7 @@ class EngineConfig:
     draft_top_k: int = 64  # draft sampled from its top-k tokens (exact probabilities handed on)
     dtype: str = "float32"
     profile_max_tokens: int = 64
+    draft_gate: bool = False  # skip drafting for a request while its recent drafts do not pay (draft_gate.py)
 
     def __post_init__(self) -> None:
         if self.verification not in ("token", "block"):

@@ -4,7 +4,10 @@ Prompt sources (all on the machine, none from the benchmarks):
   * the Python standard library's own sources: functions with docstrings become "write this
     function", "explain this code" and "document this function" requests;
   * module docstrings of the standard library as topics of explanations, posts and tips;
-  * synthetic arithmetic word problems built from templates and random numbers.
+  * synthetic arithmetic word problems built from templates and random numbers;
+  * general-domain requests (writing, role-play, reasoning puzzles, STEM and humanities
+    explanations, extraction from a given passage) combined from templates and word lists, so the
+    head also sees the target's everyday prose (MT-Bench-like traffic), not only code and arithmetic.
 ``decontaminate`` drops any prompt sharing a 13-word span with ``../shared/benchmarks``.
 Responses come from the target itself (its chat template, the engine's batched generation),
 half greedy and half at temperature 1.0 / top-p 0.95, so both serving regimes are covered.
@@ -42,6 +45,115 @@ _FUNCTION_TEMPLATES = [
     "What does `{module}.{name}` in the Python standard library do? Give an example call.",
     "Rewrite this function to be more readable and explain your changes:\n```python\n{source}\n```",
 ]
+
+
+_FORMS = ["a short story", "a poem", "a persuasive essay", "a blog post", "a formal email", "a speech",
+          "a product description", "a news article", "a diary entry", "a letter to a friend", "a haiku sequence",
+          "a limerick", "a movie pitch", "a short dialogue", "a cover letter", "a recipe introduction",
+          "a travel guide section", "an opinion column", "a motivational message", "a book review"]
+_SUBJECTS = ["a rainy afternoon in {city}", "learning to play the violin as an adult", "a lost umbrella",
+             "the first day at a new job", "a lighthouse keeper", "urban gardening", "a robot that learns to paint",
+             "saving money on groceries", "a weekend trip to {city}", "the smell of old books", "a marathon runner",
+             "a small bakery that opens at dawn", "moving to {city}", "a friendship between neighbours",
+             "remote work", "a forgotten childhood toy", "the night sky", "a village festival", "recycling",
+             "a museum at night", "a chess tournament", "learning a new language", "a storm at sea",
+             "a street market in {city}", "the benefits of walking", "an old family photograph", "public libraries",
+             "a mountain cabin", "volunteering at an animal shelter", "a train journey through {city}"]
+_AUDIENCES = ["children", "teenagers", "busy parents", "retired teachers", "first-year university students",
+              "a hiring manager", "a local newspaper", "tourists", "software engineers", "a community council"]
+_ROLES = ["a ship's captain", "a medieval blacksmith", "a nutritionist", "a detective", "a tour guide in {city}",
+          "a kindergarten teacher", "a personal trainer", "a museum curator", "a startup founder",
+          "a park ranger", "a chef", "an astronaut", "a librarian", "a travel agent", "a career coach"]
+_ROLE_REQUESTS = ["Introduce yourself and describe a typical day at work.",
+                  "A customer asks you for advice on {hobby}. Answer in character.",
+                  "Explain the most important rule of your job to a newcomer.",
+                  "Tell me about the hardest challenge you have faced and how you handled it.",
+                  "Give me three recommendations, staying in character."]
+_HOBBIES = ["gardening", "photography", "hiking", "baking bread", "birdwatching", "knitting", "cycling", "chess",
+            "pottery", "running", "journaling", "camping", "painting with watercolours", "playing guitar"]
+_CONCEPTS = ["photosynthesis", "entropy", "plate tectonics", "natural selection", "the water cycle", "inflation",
+             "supply and demand", "compound interest", "vaccination", "black holes", "the greenhouse effect",
+             "DNA replication", "Newton's laws of motion", "electric circuits", "the immune system",
+             "probability", "climate versus weather", "opportunity cost", "the scientific method", "ocean tides",
+             "the Pythagorean theorem", "osmosis", "renewable energy", "exponential growth", "sound waves",
+             "the periodic table", "antibiotic resistance", "the speed of light", "prime numbers", "erosion"]
+_HISTORY = ["the printing press", "the Renaissance", "the Industrial Revolution", "the Silk Road",
+            "the invention of writing", "ancient Greek democracy", "the Roman aqueducts", "the age of exploration",
+            "the history of the Olympic Games", "the rise of cities", "the invention of the telephone",
+            "the abolition of slavery", "the space race", "the history of money", "public education",
+            "the history of jazz", "impressionist painting", "the origins of theatre", "the spread of tea",
+            "the history of maps"]
+_STEM_TEMPLATES = ["Explain {concept} in simple terms, with an everyday example.",
+                   "How would you teach {concept} to {audience}?",
+                   "What are the most common misconceptions about {concept}?",
+                   "Write a short quiz with answers about {concept}."]
+_HUMANITIES_TEMPLATES = ["Discuss the significance of {topic} and its lasting effects.",
+                         "Summarise the main causes and consequences of {topic}.",
+                         "Write a short lecture introduction about {topic} for {audience}.",
+                         "What can we learn today from {topic}?"]
+_WRITING_TEMPLATES = ["Write {form} about {subject}.",
+                      "Write {form} about {subject} for {audience}.",
+                      "Write {form} about {subject} in under 150 words.",
+                      "Write {form} about {subject}, in a humorous tone."]
+
+
+def _cities() -> list[str]:
+    """City names from the time-zone database (the standard library's zoneinfo)."""
+    import zoneinfo
+
+    try:
+        zones = zoneinfo.available_timezones()
+    except Exception:  # no tz database at all: a short fixed list
+        zones = set()
+    cities = sorted({z.split("/")[-1].replace("_", " ") for z in zones
+                     if z.split("/")[0] in ("Europe", "America", "Asia", "Africa", "Australia")})
+    return cities or ["Lisbon", "Nairobi", "Osaka", "Toronto", "Lima", "Oslo"]
+
+
+def _puzzle(rng: random.Random) -> str:
+    a, b, c, d = rng.sample(_NAMES, 4)
+    kind = rng.randrange(3)
+    if kind == 0:
+        return (f"{a} is taller than {b}. {c} is shorter than {b} but taller than {d}. Who is the shortest, and "
+                f"who is the second tallest? Explain your reasoning.")
+    if kind == 1:
+        n = rng.randint(3, 9)
+        return (f"{a} finishes a race ahead of {b}, and {c} finishes {n} places behind {a}. If {b} finished "
+                f"second, in which place did {c} finish? Reason step by step.")
+    return (f"{a}, {b} and {c} each own a different pet: a cat, a dog or a parrot. {a} is allergic to fur and "
+            f"{b} does not own the dog. Who owns which pet? Explain how you know.")
+
+
+def _passage(rng: random.Random, topics: list[str]) -> str:
+    a, b = rng.sample(_NAMES, 2)
+    city = rng.choice(_cities())
+    hobby, concept = rng.choice(_HOBBIES), rng.choice(_CONCEPTS)
+    text = (f"{a} moved to {city} in {rng.randint(1990, 2022)} to study {concept}. After {rng.randint(2, 9)} "
+            f"years, {a} met {b}, who runs a club for {hobby}. Together they started a project about "
+            f"{rng.choice(topics)}, which now has {rng.randint(12, 900)} members.")
+    task = rng.choice(["List every person, place and year mentioned in this text as JSON.",
+                       "Summarise this text in one sentence.", "Write three questions a reader might ask "
+                       "after reading this text.", "Rewrite this text as a short formal announcement."])
+    return f"{task}\n\n{text}"
+
+
+def _general_prompt(rng: random.Random, cities: list[str], topics: list[str]) -> str:
+    """One everyday request: writing, role-play, reasoning, STEM, humanities or extraction."""
+    city, audience = rng.choice(cities), rng.choice(_AUDIENCES)
+    kind = rng.randrange(6)
+    if kind == 0:
+        return rng.choice(_WRITING_TEMPLATES).format(form=rng.choice(_FORMS), audience=audience,
+                                                      subject=rng.choice(_SUBJECTS).format(city=city))
+    if kind == 1:
+        role = rng.choice(_ROLES).format(city=city)
+        return f"Pretend you are {role}. " + rng.choice(_ROLE_REQUESTS).format(hobby=rng.choice(_HOBBIES))
+    if kind == 2:
+        return _puzzle(rng)
+    if kind == 3:
+        return rng.choice(_STEM_TEMPLATES).format(concept=rng.choice(_CONCEPTS), audience=audience)
+    if kind == 4:
+        return rng.choice(_HUMANITIES_TEMPLATES).format(topic=rng.choice(_HISTORY), audience=audience)
+    return _passage(rng, topics)
 
 
 def _stdlib_functions(max_source_lines: int = 30) -> Iterator[tuple[str, ast.FunctionDef, str]]:
@@ -94,20 +206,31 @@ def _math_problem(rng: random.Random) -> str:
 
 
 def build_prompts(count: int, seed: int = 0) -> list[str]:
-    """A shuffled mix: 45% code tasks, 25% topic explanations, 30% arithmetic word problems."""
+    """A shuffled mix: 25% code tasks, 10% Python topic explanations, 15% arithmetic word problems and
+    50% general-domain requests.
+
+    Until 2026-11-30 the mix was 45% code, 25% topics, 30% arithmetic and no general requests; the
+    responses cached then keep their rows (``generate_responses`` resumes by prompt content).
+    """
     rng = random.Random(seed)
     functions = list(_stdlib_functions())
     rng.shuffle(functions)
-    topics = _module_topics()
+    topics, cities = _module_topics(), _cities()
     prompts = []
-    for i, (module, node, source) in enumerate(functions[: int(count * 0.45)]):
+    for i, (module, node, source) in enumerate(functions[: int(count * 0.25)]):
         purpose = ast.get_docstring(node).strip().split("\n\n")[0].replace("\n", " ")
         purpose = purpose[0].lower() + purpose[1:].rstrip(".") if purpose else "does its job"
         args = ", ".join(a.arg for a in node.args.args)
         prompts.append(_FUNCTION_TEMPLATES[i % len(_FUNCTION_TEMPLATES)].format(
             name=node.name, signature=f"({args})", purpose=purpose[:200], source=source, module=module))
-    for i in range(int(count * 0.25)):
+    for i in range(int(count * 0.10)):
         prompts.append(_TOPIC_TEMPLATES[i % len(_TOPIC_TEMPLATES)].format(topic=rng.choice(topics)))
+    general: dict[str, None] = {}  # distinct requests, in the order drawn
+    for _ in range(20 * count):
+        if len(general) >= int(count * 0.50):
+            break
+        general[_general_prompt(rng, cities, topics)] = None
+    prompts += list(general)
     while len(prompts) < count:
         prompts.append(_math_problem(rng))
     rng.shuffle(prompts)
@@ -133,21 +256,29 @@ def generate_responses(engine, tokenizer, prompts: list[str], out_path: Path, ma
                        seed: int = 0, time_budget_s: float | None = None) -> int:
     """Regenerate responses with the target; append JSONL rows in prompt order; resume where a run stopped.
 
+    A prompt whose token ids already have a row is skipped, so a run resumes even after the prompt
+    mix changed (the rows already written stay as they are).
+
     All remaining prompts are queued at once so the engine's continuous batching keeps every
     sequence slot busy (a finished response frees its slot for the next prompt at once).
     """
     from dspark.config import SamplingParams
     from dspark.loader import encode_prompt
 
-    done = sum(1 for _ in out_path.open()) if out_path.exists() else 0
+    done = ({tuple(json.loads(line)["prompt_ids"]) for line in out_path.open()} if out_path.exists() else set())
     start, tokens, finished = time.time(), 0, {}
     ids: dict[int, int] = {}
-    for index in range(done, len(prompts)):
+    order = []  # prompt indices still to write, in prompt order
+    for index, prompt in enumerate(prompts):
+        prompt_ids = encode_prompt(tokenizer, prompt, chat=True)[-1024:]
+        if tuple(prompt_ids) in done:
+            continue
         sampled = index % 2 == 1  # half greedy, half temperature 1.0 / top-p 0.95
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if sampled else 0.0,
                                 top_p=0.95 if sampled else 1.0, seed=seed + index)
-        ids[engine.add_request(encode_prompt(tokenizer, prompts[index], chat=True)[-1024:], params)] = index
-    next_row, last_report = done, time.time()
+        ids[engine.add_request(prompt_ids, params)] = index
+        order.append(index)
+    position, last_report = 0, time.time()  # rows are written in ``order``
     with out_path.open("a") as out:
         while engine.has_unfinished():
             if time_budget_s is not None and time.time() - start > time_budget_s:
@@ -157,13 +288,13 @@ def generate_responses(engine, tokenizer, prompts: list[str], out_path: Path, ma
                     result = engine.result(output.request_id)
                     finished[ids[output.request_id]] = result
                     tokens += len(result.token_ids)
-            while next_row in finished:
-                result = finished.pop(next_row)
+            while position < len(order) and order[position] in finished:
+                result = finished.pop(order[position])
                 out.write(json.dumps({"prompt_ids": result.prompt_ids, "response_ids": result.token_ids}) + "\n")
-                next_row += 1
+                position += 1
             if time.time() - last_report > 30:
                 out.flush()
                 last_report = time.time()
-                print(f"[data] {next_row}/{len(prompts)} prompts written, {tokens} new tokens, "
+                print(f"[data] {len(done) + position}/{len(prompts)} prompts written, {tokens} new tokens, "
                       f"{tokens / (time.time() - start):.0f} tok/s", flush=True)
     return tokens

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import ConfigError, EngineConfig, SamplingParams
+from dspark.draft_gate import DraftGate
 from dspark.draft_model import DraftProposal
 from dspark.drafter import Drafter
 from dspark.metrics import SpecMetrics
@@ -44,6 +45,7 @@ class _Round:
     requests: list[Request]
     proposal: DraftProposal | None
     lengths: torch.Tensor  # [B] draft tokens verified per request
+    drafted: torch.Tensor | None = None  # [B] bool, rows with a drafted block (None: all rows if proposal)
 
 
 class Engine:
@@ -85,8 +87,10 @@ class Engine:
         self.timings = {"draft": 0.0, "schedule": 0.0, "verify": 0.0, "step": 0.0}  # seconds, cumulative
         self._ids = itertools.count()
         self.profile = profile
-        if self.drafter is not None and config.scheduler == "confidence" and profile is None:
+        if self.drafter is not None and (config.scheduler == "confidence" or config.draft_gate) and profile is None:
             self.profile = self.measure_profile()
+        self.gate = (DraftGate.from_profile(self.profile, self.block_size)
+                     if self.drafter is not None and config.draft_gate else None)
 
     # ------------------------------------------------------------------ requests
     @staticmethod
@@ -143,12 +147,21 @@ class Engine:
             rounds.append(_Round(prefill, None, torch.zeros(len(prefill), dtype=torch.long)))
         speculative = [r for r in decode if r.speculative and self.drafter is not None]
         plain = [r for r in decode if not (r.speculative and self.drafter is not None)]
+        drafting = []
+        for request in speculative:
+            if request.gate is None or self.gate.wants_draft(request.gate):
+                drafting.append(request)
+            else:
+                request.metrics.draft_skips += 1
+                self.metrics.draft_skips += 1
+        if not drafting:  # the gate held every block back: one plain pass (features still reach the drafter)
+            plain, speculative = plain + speculative, []
         if plain:
             rounds.append(_Round(plain, None, torch.zeros(len(plain), dtype=torch.long)))
         if speculative:
             t0, start_ns = time.perf_counter(), time.time_ns()
-            proposal = self._draft(speculative)
-            self._phase("draft", start_ns, speculative)
+            proposal = self._draft(drafting)
+            self._phase("draft", start_ns, drafting)
             t1 = time.perf_counter()
             self.timings["draft"] += t1 - t0
             if proposal is None:  # the drafter failed: these requests decode without it from now on
@@ -157,7 +170,7 @@ class Engine:
                 self.metrics.drafter_fallbacks += len(speculative)
                 rounds.append(_Round(speculative, None, torch.zeros(len(speculative), dtype=torch.long)))
             else:
-                rounds.append(_Round(speculative, proposal, self._schedule_verify(speculative, proposal)))
+                rounds.append(self._drafted_round(speculative, drafting, proposal))
             self.timings["schedule"] += time.perf_counter() - t1
         for round_ in rounds:
             self._run_round(round_)
@@ -198,6 +211,7 @@ class Engine:
             request.speculative = speculative
             if speculative:
                 self.drafter.start(request)
+                request.gate = self.gate.new_state() if self.gate is not None else None
             request.status = Status.RUNNING
             self.running.append(request)
             prefill.append(request)
@@ -208,6 +222,21 @@ class Engine:
 
     def _draft(self, requests: list[Request]) -> DraftProposal | None:
         return self.drafter.propose(requests, self._sampling(requests))
+
+    def _drafted_round(self, requests: list[Request], drafting: list[Request], proposal: DraftProposal) -> _Round:
+        """One verify pass for ``requests``; those the gate held back ride along with nothing to verify."""
+        lengths = self._schedule_verify(drafting, proposal)
+        if len(drafting) == len(requests):
+            return _Round(requests, proposal, lengths)
+        chosen = {id(r) for r in drafting}
+        rows = torch.tensor([i for i, r in enumerate(requests) if id(r) in chosen])
+
+        def widen(t: torch.Tensor) -> torch.Tensor:  # [len(drafting), ...] -> [len(requests), ...], zeros elsewhere
+            return t.new_zeros(len(requests), *t.shape[1:]).index_copy_(0, rows, t)
+
+        widened = DraftProposal(widen(proposal.tokens), widen(proposal.draft_probs), widen(proposal.confidences))
+        drafted = torch.zeros(len(requests), dtype=torch.bool).index_fill_(0, rows, True)
+        return _Round(requests, widened, widen(lengths), drafted)
 
     def _max_lengths(self, requests: list[Request]) -> torch.Tensor:
         # a round commits at most (verified + 1) tokens: never verify past max_tokens
@@ -251,7 +280,7 @@ class Engine:
             num_draft=lengths,
             draft_probs=None if round_.proposal is None or greedy else round_.proposal.draft_probs,
             sampling=SamplingTensors(sampling.temperature, sampling.top_p, sampling.top_k, []),
-            uniforms=sampling.uniforms(block + 2),
+            uniforms=sampling.uniforms(block + 2, None if round_.drafted is None else (~round_.drafted).tolist()),
             want_features=torch.tensor([r.speculative and self.drafter is not None for r in requests]),
         )
 
@@ -273,7 +302,10 @@ class Engine:
             request.num_cached += kept_rows[b]
             self.allocator.truncate(request.request_id, request.num_cached)
             new = tokens_rows[b][: accepted + 1]
-            drafted = self.block_size if round_.proposal is not None else 0
+            has_block = round_.proposal is not None and (round_.drafted is None or bool(round_.drafted[b]))
+            drafted = self.block_size if has_block else 0
+            if has_block and request.gate is not None:
+                self.gate.record(request.gate, accepted)
             request.metrics.record_round(drafted, lengths[b], accepted)
             self.metrics.record_round(drafted, lengths[b], accepted)
             self._append(request, new)

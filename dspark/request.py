@@ -9,6 +9,7 @@ from enum import Enum
 import torch
 
 from dspark.config import SamplingParams
+from dspark.draft_gate import GateState
 from dspark.metrics import SpecMetrics
 
 
@@ -43,6 +44,7 @@ class Request:
     new_tokens: list[int] = field(default_factory=list)  # committed since the last emit
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     generator: torch.Generator = field(default_factory=torch.Generator)
+    gate: GateState | None = None  # the draft gate's record of this request (None: always drafts)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

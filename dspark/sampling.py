@@ -46,10 +46,20 @@ class SamplingTensors:
             [g for g in self.generators for _ in range(n)],
         )
 
-    def uniforms(self, n: int) -> torch.Tensor:  # [B, n] in [0, 1)
+    def uniforms(self, n: int, plain: list[bool] | None = None) -> torch.Tensor:  # [B, n] in [0, 1)
+        """``n`` draws per row from its request's generator. A ``plain`` row (one verifying no draft in a
+        round of blocks) draws only the 2 a plain round draws, put first and last, where the verifiers
+        read them: its stream then does not depend on the rows it is batched with."""
         if not self.generators:
             return torch.empty(0, n)
-        return torch.stack([torch.rand(n, generator=g) for g in self.generators])
+        rows = []
+        for b, g in enumerate(self.generators):
+            if plain is not None and plain[b] and n > 2:
+                first, last = torch.rand(2, generator=g)
+                rows.append(torch.cat((first[None], torch.ones(n - 2), last[None])))
+            else:
+                rows.append(torch.rand(n, generator=g))
+        return torch.stack(rows)
 
 
 def _truncate_sorted(

@@ -71,6 +71,10 @@ class EngineSpec(_Strict):
                                                    "full vocabulary); the exact probabilities go to the verifier.")
     profile_max_tokens: int = Field(64, ge=1, description="Largest verify batch (tokens) profiled at start-up "
                                                           "for the scheduler's cost table.")
+    draft_gate: bool = Field(
+        False, description="Per request, decode without drafting while the draft tokens its recent blocks "
+                           "accepted stay below the profiled break-even, probing again after 2, 4 ... 16 plain "
+                           "rounds (lossless: the choice depends only on rounds already verified).")
 
     def to_core(self, dtype: str) -> EngineConfig:
         return EngineConfig(dtype=dtype, **self.model_dump())

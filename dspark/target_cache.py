@@ -7,6 +7,7 @@ the trainer applies the frozen LM head only at the positions it samples (DSpark 
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +30,14 @@ class TargetCache:
         return len(self.offsets) - 1
 
     def split(self, heldout_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
-        order = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed)).tolist()
-        cut = max(1, int(len(order) * heldout_fraction))
-        return order[cut:], order[:cut]
+        """(train, held-out) sequence indices. Each sequence's side comes from its own draw of a seeded
+        stream, so appending sequences (more data) leaves every earlier sequence where it was."""
+        rng = random.Random(seed)
+        draws = [rng.random() for _ in range(len(self))]
+        heldout = {i for i, u in enumerate(draws) if u < heldout_fraction}
+        if not heldout and draws:  # tiny caches still hold one sequence out
+            heldout = {min(range(len(draws)), key=draws.__getitem__)}
+        return [i for i in range(len(self)) if i not in heldout], sorted(heldout)
 
 
 @torch.inference_mode()

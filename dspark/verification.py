@@ -112,7 +112,7 @@ def verify_block(
     h = torch.where(idx == num_draft[:, None], p_all, h)  # h_L = p_L
     h = torch.where(idx > num_draft[:, None], torch.zeros_like(h), h)
     h[:, 0] = torch.where(num_draft == 0, torch.ones(batch), h[:, 0])
-    stop_ok = uniforms[:, : block + 1] <= h
+    stop_ok = (uniforms[:, : block + 1] <= h) & (idx <= num_draft[:, None])  # a draw of exactly 0 stops nowhere past L
     stop_ok[:, 0] = True  # tau = 0 when no later index qualifies
     tau = (stop_ok.long() * idx).max(dim=1).values  # [B]
     gather = tau[:, None, None].expand(-1, 1, target_probs.shape[-1])

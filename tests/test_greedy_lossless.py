@@ -114,3 +114,46 @@ def test_batch_composition_does_not_change_output(tiny_target, tiny_tokenizer, t
     while engine.has_unfinished():
         engine.step()
     assert [engine.result(i).token_ids for i in ids] == reference[:8]
+
+
+GATE_PROFILE = StepCostProfile((1, 8, 40), (0.010, 0.012, 0.030), 0.004)
+
+
+def test_gated_random_head_skips_drafts_and_stays_lossless(tiny_target, tiny_tokenizer, tiny_draft_dir, prompts,
+                                                          reference):
+    always = make_engine(tiny_target, tiny_tokenizer, _drafter(tiny_draft_dir, tiny_target), scheduler="full",
+                         profile=GATE_PROFILE)
+    gated = make_engine(tiny_target, tiny_tokenizer, _drafter(tiny_draft_dir, tiny_target), scheduler="full",
+                        profile=GATE_PROFILE, draft_gate=True)
+    # the tiny head drafts blocks of 4: a drafted round verifies 5 tokens (interpolated) after the draft
+    assert gated.gate.break_even == pytest.approx((0.010 + 0.002 * 4 / 7 + 0.004) / 0.010 - 1)
+    # continuous batching mixes drafted and held-back rows in one verify pass
+    results = gated.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == reference
+    always.generate(prompts, GREEDY)
+    assert gated.metrics.draft_skips > 0 and always.metrics.draft_skips == 0
+    assert gated.metrics.num_drafts < 0.7 * always.metrics.num_drafts
+    # the pooled acceptance counts drafted rounds only, and held-back rounds are still verify steps
+    assert gated.metrics.verify_steps >= always.metrics.verify_steps
+
+
+def test_gate_never_holds_back_an_accurate_drafter(tiny_target, tiny_tokenizer, prompts, reference):
+    oracle = OracleDrafter({tuple(p): ref for p, ref in zip(prompts, reference)}, tiny_target.config.vocab_size)
+    engine = make_engine(tiny_target, tiny_tokenizer, oracle, scheduler="full", profile=GATE_PROFILE, draft_gate=True)
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == reference
+    assert engine.metrics.draft_skips == 0 and engine.metrics.acceptance_length > 4.5
+
+
+def test_gated_sampling_uses_the_requests_generators(tiny_target, tiny_tokenizer, tiny_draft_dir, prompts):
+    """Seeded sampled requests give the same tokens alone and in a batch, with the gate on."""
+    params = SamplingParams(max_tokens=32, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
+
+    def run(batch):
+        engine = make_engine(tiny_target, tiny_tokenizer, _drafter(tiny_draft_dir, tiny_target), scheduler="full",
+                             profile=GATE_PROFILE, draft_gate=True)
+        return [r.token_ids for r in engine.generate(batch, params)], engine.metrics.draft_skips
+
+    together, skips = run(prompts[:6])
+    alone = [run([p])[0][0] for p in prompts[:6]]
+    assert skips > 0 and together == alone
+    assert all(len(t) == 32 for t in together) and torch.tensor(together).unique().numel() > 20

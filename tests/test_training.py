@@ -97,3 +97,15 @@ def test_recipe_end_to_end(tmp_path):
                   trained.config.target_layer_ids).generate(prompts, greedy)
     plain = Engine(target, tok, None, EngineConfig(speculate=False, kv_cache_tokens=8192)).generate(prompts, greedy)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    # the data stage resumes by prompt content: an unchanged prompt list adds nothing, a longer one
+    # (a different mix) adds rows for its new prompts only and keeps the rows already written
+    responses = tmp_path / "work" / "responses.jsonl"
+    before = responses.read_text().splitlines()
+    run_recipe(cfg, resolve=Path, stages=("data",), log=logs.append)
+    assert responses.read_text().splitlines() == before
+    bigger = cfg.model_copy(update={"data": cfg.data.model_copy(update={"num_prompts": 40})})
+    run_recipe(bigger, resolve=Path, stages=("data",), log=logs.append)
+    after = responses.read_text().splitlines()
+    prompt_ids = [tuple(json.loads(line)["prompt_ids"]) for line in after]
+    assert after[: len(before)] == before and len(after) > len(before)
+    assert len(set(prompt_ids[len(before):]) & set(prompt_ids[: len(before)])) == 0
