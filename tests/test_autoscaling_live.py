@@ -88,7 +88,7 @@ def test_degraded_acceptance_adds_a_replica_and_recovered_acceptance_removes_it(
     base = load_engine_config(REPO / "configs" / "embedded.yaml")
     data = base.model_dump(exclude={"base_dir"})
     data["draft"]["path"] = str(base.resolve(base.draft.path))
-    data["engine"].update(scheduler="full", max_num_seqs=4)
+    data["engine"].update(scheduler="full", max_num_seqs=4, draft_gate=False)  # drafts every round, whatever τ
     data["runtime"].update(shard_cpus=0.3, drafter_cpus=0.3, shard_threads=1, drafter_threads=1)
     data["serving"].update(load_aware_speculation=False, router_cpus=0.3, max_queued_requests=64, autoscaling={
         "min_replicas": 1, "max_replicas": 2, "target_utilisation": 0.8, "hysteresis": 0.1, "drain_horizon_s": 10,
