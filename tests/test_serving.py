@@ -44,7 +44,9 @@ def served(serve_instance, tmp_path_factory):
         serving={"load_aware_speculation": False, "api_key_file": str(key_file),
                  "max_concurrent_requests": MAX_CONCURRENT, "max_queued_requests": MAX_QUEUED,
                  "max_tokens_limit": 64, "max_prompt_tokens": 512},
-        engine={"max_num_seqs": MAX_CONCURRENT, "scheduler": "full"})  # deterministic blocks: bench comparison
+        # deterministic blocks for the bench comparison: no prefix trimming, and no draft gate (its break-even
+        # comes from each engine's own measured costs, so the Ray router and an in-process engine gate differently)
+        engine={"max_num_seqs": MAX_CONCURRENT, "scheduler": "full", "draft_gate": False})
     serve.run(build_app({"config": str(path)}), name="dspark", route_prefix="/")
     yield load_engine_config(path)
     serve.delete("dspark")
