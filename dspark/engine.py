@@ -290,6 +290,8 @@ class Engine:
         accepted_rows = result.num_accepted.tolist()
         kept_rows = output.kept.tolist()
         lengths = round_.lengths.tolist()
+        has_block = ([round_.proposal is not None] * len(lengths) if round_.drafted is None
+                     else round_.drafted.tolist())  # rows that verified a drafted block (held-back rows did not)
         want = [r.speculative and self.drafter is not None for r in round_.requests]
         if any(want):
             self.drafter.commit([r.request_id for r, w in zip(round_.requests, want) if w],
@@ -302,9 +304,8 @@ class Engine:
             request.num_cached += kept_rows[b]
             self.allocator.truncate(request.request_id, request.num_cached)
             new = tokens_rows[b][: accepted + 1]
-            has_block = round_.proposal is not None and (round_.drafted is None or bool(round_.drafted[b]))
-            drafted = self.block_size if has_block else 0
-            if has_block and request.gate is not None:
+            drafted = self.block_size if has_block[b] else 0
+            if has_block[b] and request.gate is not None:
                 self.gate.record(request.gate, accepted)
             request.metrics.record_round(drafted, lengths[b], accepted)
             self.metrics.record_round(drafted, lengths[b], accepted)
