@@ -124,9 +124,9 @@ def _puzzle(rng: random.Random) -> str:
             f"{b} does not own the dog. Who owns which pet? Explain how you know.")
 
 
-def _passage(rng: random.Random, topics: list[str]) -> str:
+def _passage(rng: random.Random, cities: list[str], topics: list[str]) -> str:
     a, b = rng.sample(_NAMES, 2)
-    city = rng.choice(_cities())
+    city = rng.choice(cities)
     hobby, concept = rng.choice(_HOBBIES), rng.choice(_CONCEPTS)
     text = (f"{a} moved to {city} in {rng.randint(1990, 2022)} to study {concept}. After {rng.randint(2, 9)} "
             f"years, {a} met {b}, who runs a club for {hobby}. Together they started a project about "
@@ -153,7 +153,7 @@ def _general_prompt(rng: random.Random, cities: list[str], topics: list[str]) ->
         return rng.choice(_STEM_TEMPLATES).format(concept=rng.choice(_CONCEPTS), audience=audience)
     if kind == 4:
         return rng.choice(_HUMANITIES_TEMPLATES).format(topic=rng.choice(_HISTORY), audience=audience)
-    return _passage(rng, topics)
+    return _passage(rng, cities, topics)
 
 
 def _stdlib_functions(max_source_lines: int = 30) -> Iterator[tuple[str, ast.FunctionDef, str]]:
