@@ -22,7 +22,8 @@ from dspark.engine import Engine
 from dspark.loader import load_tokenizer
 from dspark.target_cache import build_target_cache, load_target_cache
 from dspark.target_checkpoint import load_target
-from dspark.trainer import TrainConfig, calibrate, heldout_statistics, init_from_target, train, write_summary
+from dspark.trainer import (TrainConfig, calibrate, heldout_statistics, init_from_draft, init_from_target, train,
+                            write_summary)
 
 
 class _Strict(BaseModel):
@@ -42,7 +43,8 @@ class DataSpec(_Strict):
 
 
 class DraftArchSpec(_Strict):
-    num_layers: int = Field(2, ge=1, description="Draft decoder layers (initialised from the target's last).")
+    num_layers: int = Field(2, ge=1, description="Draft decoder layers (initialised from the target's last; with "
+                                                "train.init_from, layers beyond the export's are grown).")
     target_layer_ids: list[int] = Field(description="Target layers whose outputs are fused.")
     block_size: int = Field(7, ge=1, description="Drafted tokens per block (gamma).")
     markov_rank: int = Field(64, ge=1, description="Rank of the Markov head.")
@@ -112,11 +114,10 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
         run = "train" if arch.enable_markov_head else "train_no_markov"
         if cfg.train.init_from:
             start = load_draft(resolve(cfg.train.init_from), tc)
-            try:
-                draft.load_state_dict(start.state_dict())
-            except RuntimeError as err:
-                raise ConfigError("train.init_from", f"{cfg.train.init_from} does not match draft: {err}") from err
+            init_from_draft(draft, start, target)
             run += "-from-" + Path(cfg.train.init_from).name
+            if len(start.layers) != arch.num_layers:  # grown deeper: its own training state
+                run += f"-{arch.num_layers}-layers"
         else:
             init_from_target(draft, target)
         draft.bind_target(target.embed_tokens, target.lm_head)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dspark.calibration import cumulative_ece, sequential_temperature_scaling
+from dspark.config import ConfigError
 from dspark.draft_model import DSparkDraft
 from dspark.losses import dspark_loss
 from dspark.target_cache import TargetCache
@@ -46,6 +47,31 @@ def init_from_target(draft: DSparkDraft, target: TargetModel) -> None:
     for i, layer in enumerate(draft.layers):
         layer.load_state_dict(target.layers[target.config.num_layers - n + i].state_dict())
     draft.norm.load_state_dict(target.norm.state_dict())
+
+
+def init_from_draft(draft: DSparkDraft, start: DSparkDraft, target: TargetModel) -> None:
+    """Continue from an exported draft, possibly grown deeper.
+
+    Layers the export lacks are appended after its own: each starts as one of the target's last
+    layers with its output projections (attention ``o_proj``, MLP ``down_proj``) zeroed, so it adds
+    nothing to the residual stream and the grown draft computes exactly what the export did; training
+    then opens the new layers up from there.
+    """
+    own, wanted = len(start.layers), len(draft.layers)
+    if own > wanted:
+        raise ConfigError("draft.num_layers", f"{wanted} is fewer than the {own} layers of train.init_from")
+    missing, unexpected = draft.load_state_dict(start.state_dict(), strict=False)
+    grown = {name for name in missing if name.startswith("layers.") and int(name.split(".")[1]) >= own}
+    if unexpected or set(missing) - grown:
+        raise ConfigError("train.init_from", f"does not match the draft: missing {sorted(set(missing) - grown)}, "
+                                             f"unexpected {sorted(unexpected)}")
+    for i in range(own, wanted):
+        layer = draft.layers[i]
+        layer.load_state_dict(target.layers[target.config.num_layers - wanted + i].state_dict())
+        with torch.no_grad():
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                for param in proj.parameters():
+                    param.zero_()
 
 
 def _batch(cache: TargetCache, seq: int, anchors: int, block: int, rng: random.Random):

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from dspark.calibration import cumulative_ece, expected_calibration_error, sequential_temperature_scaling
 from dspark.checkpoint import load_draft
-from dspark.config import EngineConfig, SamplingParams
+from dspark.config import ConfigError, EngineConfig, SamplingParams
 from dspark.dataset import build_prompts, decontaminate
 from dspark.drafter import DSparkDrafter
 from dspark.engine import Engine
@@ -91,6 +92,18 @@ def test_recipe_end_to_end(tmp_path):
     continued = run_recipe(more, resolve=Path, stages=("train", "export"), log=logs.append)
     assert continued["train"]["steps"] == 20 and (tmp_path / "work" / "train-from-draft").is_dir()
     assert abs(continued["init"]["heldout_expected_length"] - cal["heldout_expected_length"]) < 0.02
+    # a deeper draft grown from the export: the new layer starts silent, so the grown draft starts
+    # exactly where the export ended; fewer layers than the export is a config error naming the field
+    deeper = more.model_copy(update={"output_dir": str(tmp_path / "draft-deeper"),
+                                     "draft": cfg.draft.model_copy(update={"num_layers": 2})})
+    grown = run_recipe(deeper, resolve=Path, stages=("train", "export"), log=logs.append)
+    assert abs(grown["init"]["heldout_expected_length"] - continued["init"]["heldout_expected_length"]) < 1e-4
+    assert (tmp_path / "work" / "train-from-draft-2-layers").is_dir()
+    assert len(load_draft(tmp_path / "draft-deeper", target.config).layers) == 2
+    shallower = deeper.model_copy(update={"train": deeper.train.model_copy(
+        update={"init_from": str(tmp_path / "draft-deeper")}), "draft": cfg.draft})
+    with pytest.raises(ConfigError, match="draft.num_layers"):
+        run_recipe(shallower, resolve=Path, stages=("train",), log=logs.append)
     prompts = [tok.encode(p) for p in build_prompts(6, seed=9)]
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     spec = Engine(target, tok, DSparkDrafter(trained, 8192, 16, 64), EngineConfig(kv_cache_tokens=8192),
