@@ -15,15 +15,22 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from dspark.checkpoint import load_draft, save_draft
-from dspark.config import ConfigError, DecoderConfig, DraftConfig, EngineConfig
+from dspark.config import DecoderConfig, DraftConfig, EngineConfig
 from dspark.dataset import build_prompts, decontaminate, generate_responses
 from dspark.draft_model import DSparkDraft
 from dspark.engine import Engine
 from dspark.loader import load_tokenizer
 from dspark.target_cache import build_target_cache, load_target_cache
 from dspark.target_checkpoint import load_target
-from dspark.trainer import (TrainConfig, calibrate, heldout_statistics, init_from_draft, init_from_target, train,
-                            write_summary)
+from dspark.trainer import (
+    TrainConfig,
+    calibrate,
+    heldout_statistics,
+    init_from_draft,
+    init_from_target,
+    train,
+    write_summary,
+)
 
 
 class _Strict(BaseModel):
