@@ -1,7 +1,8 @@
 """Regenerate docs/performance.md and its figures in one run (``make report``).
 
-    python -m benchmarks.report [--limit 8] [--max-tokens 128] [--load-requests 8] [--concurrency 1,4,8]
-                                [--soak-seconds 120] [--out-dir docs/figures]
+    python -m benchmarks.report [--limit 8] [--max-tokens 128] [--baseline-dtypes float32,bfloat16]
+                                [--load-requests 8] [--concurrency 1,4,8] [--soak-seconds 120]
+                                [--out-dir docs/figures] [--skip bench,peers,load]
 
 Steps, each printing progress: (1) ``dspark bench`` on four prompt sets at temperature 0 and 1.0 /
 top-p 0.95 (acceptance table in the seeds' format + speed against plain decoding); (2) the peers
@@ -52,13 +53,13 @@ def _bin(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
-def bench(out: Path, limit: int, max_tokens: int) -> dict:
+def bench(out: Path, limit: int, max_tokens: int, baseline_dtypes: str) -> dict:
     results = {}
     for label, temperature, top_p in (("greedy", 0.0, 1.0), ("t1", 1.0, 0.95)):
         path = out / f"bench-{label}.json"
         _run([_bin("dspark"), "bench", "--config", "configs/embedded.yaml", "--limit", str(limit),
               "--max-tokens", str(max_tokens), "--temperature", str(temperature), "--top-p", str(top_p),
-              "--baseline-dtypes", "float32",  # bf16 is slower on CPU (dspark bench measures both by default)
+              "--baseline-dtypes", baseline_dtypes, "--threads", "2",
               "--out", str(path), "--plot", str(out / f"acceptance-{label}.png"),
               *sum((["--dataset", str(BENCH / f"{d}.jsonl")] for d in DATASETS), [])])
         results[label] = json.loads(path.read_text())
@@ -240,25 +241,30 @@ def goals(bench_results: dict, load_results: dict) -> list[str]:
                  and levels[(c, "on")]["throughput_tok_s"] < levels[(c, "off")]["throughput_tok_s"]]
         lines.append(f"| aggregate throughput never below plain decoding ({key}) | "
                      f"{'met' if not below else 'below at concurrency ' + ', '.join(below)} |")
-    steps = drafted = draft_s = verify_s = 0.0
-    for result in bench_results["greedy"]["benchmarks"].values():
+    greedy = bench_results["greedy"]
+    steps = drafts = draft_s = verify_s = 0.0
+    for result in greedy["benchmarks"].values():
         spec = result["speculative"]
         steps += spec["verify_steps"]
-        drafted += spec["num_drafts"]
+        drafts += spec["num_drafts"]
         draft_s += spec["time_split_s"].get("draft", 0.0)
         verify_s += spec["time_split_s"].get("verify", 0.0)
-    if steps:
-        lines += ["", "Why, from the greedy bench above: a batch-1 step spends "
-                  f"{1000 * draft_s / steps:.0f} ms drafting and {1000 * verify_s / steps:.0f} ms verifying, and only "
-                  f"{drafted / steps:.0%} of the steps "
-                  "verify any draft token (the confidence scheduler, with the measured cost table, sends none when "
-                  "the expected gain is below the cost of verifying). On 2 CPU cores the draft network of a 135M "
-                  "target costs about as much as a target forward, so a step must commit about two tokens just "
-                  "to break even, and the shipped head's acceptance is far below the goals' (training data and "
-                  "time on this machine are the limit: see the model card). Under load the load-aware switch "
-                  "turns drafting off when it loses, which is what brings the aggregate back to plain decoding. "
-                  "On GPUs, where a 1T target step costs many times the draft's, the same code path is the "
-                  "one that pays."]
+    if steps and drafts:
+        pooled = greedy["pooled"]
+        plain_ms = 1000 / pooled["baseline_tokens_per_s"]
+        lines += ["", f"Why, from the greedy bench above: {drafts / steps:.0%} of the decode rounds drafted (the draft "
+                  "gate holds blocks back for requests whose recent blocks did not pay, and the confidence "
+                  "scheduler trims the rest); a drafted round spent "
+                  f"{1000 * draft_s / drafts:.1f} ms in the draft network, and a round of any kind "
+                  f"{1000 * verify_s / steps:.1f} ms verifying, against {plain_ms:.1f} ms per token for plain "
+                  "decoding. So a drafted block must bring roughly "
+                  f"{1000 * draft_s / drafts / plain_ms:.2f} accepted tokens just to pay for the draft pass; the "
+                  f"pooled acceptance length over drafted rounds is {pooled['acceptance_length_pooled']:.2f} "
+                  "(position 1: "
+                  f"{pooled['acceptance_rate_per_pos'][0]:.2f}). The head's acceptance is the limit (training "
+                  "compute on this machine: see the model card). Under load the load-aware switch turns drafting "
+                  "off when it loses, which is what brings the aggregate back to plain decoding. On GPUs, where a "
+                  "1T target step costs many times the draft's, the same code path is the one that pays."]
     return lines + [""]
 
 
@@ -273,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,4,8")
     parser.add_argument("--soak-seconds", type=float, default=120.0)
     parser.add_argument("--out-dir", default="docs/figures")
+    parser.add_argument("--baseline-dtypes", default="float32,bfloat16",
+                        help="plain-decoding dtypes of the bench's baseline; the faster counts")
     parser.add_argument("--skip", default="", help="comma-separated steps to reuse from out-dir: bench,peers,load")
     args = parser.parse_args(argv)
     SOAK_SECONDS = args.soak_seconds
@@ -282,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.peers import run as peers_run
 
     bench_results = ({k: json.loads((out / f"bench-{k}.json").read_text()) for k in ("greedy", "t1")}
-                     if "bench" in skip else bench(out, args.limit, args.max_tokens))
+                     if "bench" in skip else bench(out, args.limit, args.max_tokens, args.baseline_dtypes))
     if "peers" in skip:
         peers = json.loads((out / "peers.json").read_text())
     else:
