@@ -55,16 +55,17 @@ def _train(args: argparse.Namespace) -> int:
     from dspark.schema import EngineFileConfig, format_validation_error, read_yaml
 
     data = read_yaml(args.config)
+    # command-line overrides go through the same validation as the file (a bad value names its field)
+    for section, key, value in (("train", "steps", args.steps), ("train", "lr", args.lr),
+                                ("train", "time_budget_s", args.time_budget),
+                                ("data", "time_budget_s", args.data_time_budget)):
+        if value is not None:
+            data[section] = {**(data.get(section) or {}), key: value}
     try:
         cfg = TrainFileConfig(**data)
     except ValidationError as exc:
         raise ConfigError(args.config, format_validation_error(exc)) from None
     paths = EngineFileConfig(target={"path": "."}, base_dir=str(Path(args.config).resolve().parent))
-    overrides = {k: v for k, v in (("steps", args.steps), ("time_budget_s", args.time_budget)) if v is not None}
-    if overrides:
-        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update=overrides)})
-    if args.data_time_budget is not None:
-        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"time_budget_s": args.data_time_budget})})
     run_recipe(cfg, paths.resolve, tuple(args.stages.split(",")))
     return 0
 
@@ -143,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--config", required=True, help="training YAML (e.g. configs/train-smollm2.yaml)")
     tr.add_argument("--stages", default="data,cache,train,export", help="comma-separated subset of the stages")
     tr.add_argument("--steps", type=int, default=None, help="override train.steps")
+    tr.add_argument("--lr", type=float, default=None, help="override train.lr (peak learning rate)")
     tr.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
     tr.add_argument("--data-time-budget", type=float, default=None, help="stop data generation after this long")
     tr.add_argument("--threads", type=int, default=None, help="torch CPU threads")

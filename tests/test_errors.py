@@ -14,7 +14,7 @@ from dspark.config import ConfigError, SamplingParams
 from dspark.recipe import TrainFileConfig
 from dspark.schema import load_engine_config, read_yaml, sampling_from_values
 
-from conftest import SHARED, make_engine
+from conftest import REPO, SHARED, make_engine
 
 
 @pytest.mark.parametrize(("values", "field"), [
@@ -132,6 +132,16 @@ def test_cli_chat_and_sampled_seeded_runs_repeat(tiny_config):
 ])
 def test_cli_reports_bad_flags_by_name(tiny_config, flags, field):
     out = dspark_cli("generate", "--config", str(tiny_config), "--prompt", "x", *flags)
+    assert out.returncode == 2
+    assert field in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("flags", "field"), [
+    (["--lr", "-0.001"], "train.lr"),
+    (["--steps", "0"], "train.steps"),
+])
+def test_cli_train_overrides_are_validated_by_name(flags, field):
+    out = dspark_cli("train", "--config", str(REPO / "configs" / "train-smollm2.yaml"), "--stages", "train", *flags)
     assert out.returncode == 2
     assert field in out.stderr and "Traceback" not in out.stderr
 
