@@ -60,7 +60,10 @@ def init_from_draft(draft: DSparkDraft, start: DSparkDraft, target: TargetModel)
     own, wanted = len(start.layers), len(draft.layers)
     if own > wanted:
         raise ConfigError("draft.num_layers", f"{wanted} is fewer than the {own} layers of train.init_from")
-    missing, unexpected = draft.load_state_dict(start.state_dict(), strict=False)
+    try:
+        missing, unexpected = draft.load_state_dict(start.state_dict(), strict=False)
+    except RuntimeError as err:  # shapes differ (hidden size, Markov rank, feature layers ...)
+        raise ConfigError("train.init_from", f"does not match the draft: {err}") from None
     grown = {name for name in missing if name.startswith("layers.") and int(name.split(".")[1]) >= own}
     if unexpected or set(missing) - grown:
         raise ConfigError("train.init_from", f"does not match the draft: missing {sorted(set(missing) - grown)}, "
