@@ -1,14 +1,16 @@
 """Live autoscaling on a local cluster: lower acceptance at the same offered load adds a replica;
 acceptance recovering at that load removes it again.
 
-An open-loop client offers a fixed request rate (a counting prompt, 48 tokens each: 24 tokens/s).
-Greedy, the shipped draft accepts about 3 tokens per verify step (measured: tau 2.9-3.1, modelled
-capacity ~90 tokens/s per replica): one replica suffices. At temperature 1.5 acceptance falls to
-about 1.2 (capacity ~20 tokens/s), the queue grows, and the policy asks for a second replica. Back
-at temperature 0, once the slow requests have drained, one replica suffices again and Serve removes
-the other after ``downscale_delay_s`` (20 s here) of that decision.
+An open-loop client offers a fixed request rate (a counting prompt, 48 tokens each, one request a
+second: 48 tokens/s). Greedy, the shipped draft accepts about 2.7 tokens per verify step on it
+(measured 2.69, 59 ms steps: a modelled capacity of 90-180 tokens/s per replica): one replica
+suffices. At temperature 1.5 acceptance falls to about 1.25 and steps slow to 115-165 ms (capacity
+30-45 tokens/s, below the offered load), the queue grows, and the policy asks for a second replica.
+At half this load (24 tokens/s) the degraded capacity was too close to the offered load and the
+upscale depended on the machine's noise. Back at temperature 0, once the slow requests have
+drained, one replica suffices again and Serve removes the other after ``downscale_delay_s`` (20 s
+here) of that decision.
 """
-
 from __future__ import annotations
 
 import json
@@ -97,7 +99,7 @@ def test_degraded_acceptance_adds_a_replica_and_recovered_acceptance_removes_it(
     path = tmp_path / "autoscale.yaml"
     path.write_text(json.dumps(data))
     serve.run(build_app({"config": str(path)}), name="dspark", route_prefix="/")
-    load = OpenLoop(rate=0.5)  # 24 tokens/s offered
+    load = OpenLoop(rate=1.0)  # 48 tokens/s offered
     try:
         time.sleep(25)
         assert replicas() == 1, "greedy acceptance: one replica has the capacity"
