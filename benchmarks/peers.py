@@ -1,7 +1,7 @@
 """Peers on this machine, same target, same prompts, one run: DSpark against plain ``transformers``
 generation and ``transformers``' prompt-lookup decoding.
 
-    python -m benchmarks.peers --config configs/embedded.yaml --dataset ../shared/benchmarks/mt-bench.jsonl \\
+    python -m benchmarks.peers --config configs/embedded.yaml --dataset mt-bench \\
         --limit 8 --max-tokens 128 [--out peers.json]
 
 Every system decodes each prompt's first turn (chat template) greedily at batch 1, after one
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from dspark.bench import read_prompts
 from dspark.config import SamplingParams
 from dspark.loader import build_engine, encode_prompt
+from dspark.prompt_sets import read_prompts
 from dspark.schema import load_engine_config
 
 
@@ -47,7 +47,7 @@ def _strip_eos(ids: list[int], eos: list[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in eos else ids
 
 
-def run(config_path: Path, dataset: Path, limit: int, max_tokens: int, threads: int | None = None) -> dict:
+def run(config_path: Path, dataset: str | Path, limit: int, max_tokens: int, threads: int | None = None) -> dict:
     import transformers
 
     if threads:
@@ -96,13 +96,13 @@ def table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/embedded.yaml")
-    parser.add_argument("--dataset", default="../shared/benchmarks/mt-bench.jsonl")
+    parser.add_argument("--dataset", default="mt-bench", help="a named prompt set or a JSONL path")
     parser.add_argument("--limit", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    report = run(Path(args.config), Path(args.dataset), args.limit, args.max_tokens, args.threads)
+    report = run(Path(args.config), args.dataset, args.limit, args.max_tokens, args.threads)
     print(table(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

@@ -29,20 +29,11 @@ from actors.router import Router
 from dspark.config import ConfigError, SamplingParams
 from dspark.loader import build_engine, encode_prompt
 from dspark.prepare import prepare_target
+from dspark.prompt_sets import round_robin
 from dspark.schema import load_engine_config
 
 REPO = Path(__file__).resolve().parents[1]
 DATASETS = ("humaneval", "mbpp", "gsm8k", "mt-bench")
-
-
-def load_prompts(shared: Path, count: int) -> list[str]:
-    """``count`` first turns taken round-robin from the benchmark sets."""
-    per_set = -(-count // len(DATASETS))
-    lists = []
-    for name in DATASETS:
-        with (shared / "benchmarks" / f"{name}.jsonl").open() as f:
-            lists.append([json.loads(line)["turns"][0] for _, line in zip(range(per_set), f)])
-    return [text for group in zip(*lists) for text in group][:count]
 
 
 def run_level(engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
@@ -95,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--pipeline-shard-threads", type=int, default=0, help="default: all cores")
     parser.add_argument("--pipeline-drafter-threads", type=int, default=0, help="default: half the cores")
-    parser.add_argument("--shared", default=str(REPO.parent / "shared"))
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args(argv)
@@ -110,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=0.95, seed=0)
     engine = build_engine(config)
     prompts = [encode_prompt(engine.tokenizer, t, chat=True)
-               for t in load_prompts(Path(args.shared), args.requests_per_level)]
+               for t in round_robin(DATASETS, args.requests_per_level)]
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     variants = {"in-process": None, "ray": False, "ray+pipeline": True}

@@ -27,7 +27,6 @@ import requests
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO.parent / "shared" / "benchmarks"
 DATASETS = ("humaneval", "mbpp", "gsm8k", "mt-bench")
 SERVE_CONFIG = """proxy_location: EveryNode
 http_options: {{host: 127.0.0.1, port: 8000}}
@@ -61,7 +60,7 @@ def bench(out: Path, limit: int, max_tokens: int, baseline_dtypes: str) -> dict:
               "--max-tokens", str(max_tokens), "--temperature", str(temperature), "--top-p", str(top_p),
               "--baseline-dtypes", baseline_dtypes, "--threads", "2",
               "--out", str(path), "--plot", str(out / f"acceptance-{label}.png"),
-              *sum((["--dataset", str(BENCH / f"{d}.jsonl")] for d in DATASETS), [])])
+              *sum((["--dataset", d] for d in DATASETS), [])])
         results[label] = json.loads(path.read_text())
     return results
 
@@ -115,7 +114,7 @@ def load(out: Path, concurrency: str, requests_per_level: int, max_tokens: int) 
         with Served(served_config(out, load_aware), out / f"serve-{label}.log"):
             for temperature, tag in ((0.0, "greedy"), (1.0, "t1")):
                 path = out / f"load-{label}-{tag}.json"
-                subprocess.run([_bin("dspark"), "loadtest", "--dataset", str(BENCH / "mt-bench.jsonl"),
+                subprocess.run([_bin("dspark"), "loadtest", "--dataset", "mt-bench",
                                 "--concurrency", concurrency, "--requests", str(requests_per_level),
                                 "--max-tokens", str(max_tokens), "--temperature", str(temperature),
                                 "--top-p", "0.95" if temperature else "1.0", "--out", str(path),
@@ -311,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     if "peers" in skip:
         peers = json.loads((out / "peers.json").read_text())
     else:
-        peers = peers_run(REPO / "configs" / "embedded.yaml", BENCH / "mt-bench.jsonl", args.peers_limit,
+        peers = peers_run(REPO / "configs" / "embedded.yaml", "mt-bench", args.peers_limit,
                           args.max_tokens)
         (out / "peers.json").write_text(json.dumps(peers, indent=1))
     if "load" in skip:

@@ -1,7 +1,7 @@
 """Offline validation of the KubeRay manifests in ``k8s/``: what the API server, the KubeRay operator
 and Ray Serve would refuse, found before anything is applied.
 
-    python -m deploy.manifest_check k8s/*/rayservice.yaml [--schema ../shared/kuberay/rayservice_v1_openapiv3.json]
+    python -m deploy.manifest_check k8s/*/rayservice.yaml [--schema deploy/schemas/rayservice_v1_openapiv3.json]
 
 Four layers, each reporting ``path: message``:
 1. the RayService v1 OpenAPI schema (structural, as the API server checks a CRD): defaults applied
@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_SCHEMA = REPO.parent / "shared" / "kuberay" / "rayservice_v1_openapiv3.json"
+DEFAULT_SCHEMA = REPO / "deploy" / "schemas" / "rayservice_v1_openapiv3.json"
 MAX_RAYSERVICE_NAME = 47  # KubeRay: MaxRayServiceNameLength
 UPGRADE_TYPES = ("NewCluster", "NewClusterWithIncrementalUpgrade", "None")
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")

@@ -9,7 +9,6 @@ baseline) so the speed-up is measured side by side on the same machine in the sa
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -18,12 +17,8 @@ from dspark.config import SamplingParams
 from dspark.engine import Engine
 from dspark.loader import build_engine, encode_prompt
 from dspark.metrics import SpecMetrics
+from dspark.prompt_sets import read_prompts
 from dspark.schema import EngineFileConfig
-
-
-def read_prompts(path: Path, limit: int | None) -> list[str]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["turns"][0] for r in rows[:limit]]
 
 
 def run_prompts(engine: Engine, prompts: list[list[int]], params: SamplingParams, progress: str = "") -> dict:

@@ -72,6 +72,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from dspark.bench import markdown_table, plot_acceptance, run_bench
+    from dspark.prompt_sets import prompt_set_path
     from dspark.schema import load_engine_config
 
     cfg = load_engine_config(args.config)
@@ -79,10 +80,10 @@ def _bench(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"scheduler": "full"})})
     if args.no_draft_gate:
         cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"draft_gate": False})})
-    datasets = [Path(d) for d in args.dataset]
-    for d in datasets:
-        if not d.is_file():
-            raise ConfigError("dataset", f"no such file: {d}")
+    try:
+        datasets = [prompt_set_path(d) for d in args.dataset]
+    except FileNotFoundError as e:
+        raise ConfigError("dataset", str(e)) from None
     results = run_bench(cfg, datasets, args.limit, args.max_tokens, args.temperature, args.top_p, args.block_size,
                         tuple(args.baseline_dtypes.split(",")))
     table = markdown_table(results, results["block_size"])
@@ -151,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=_train)
     b = sub.add_parser("bench", help="acceptance and speed vs plain decoding on prompt sets, in one run")
     b.add_argument("--config", required=True)
-    b.add_argument("--dataset", required=True, action="append", help="a {\"turns\": [...]} JSONL (repeatable)")
+    b.add_argument("--dataset", required=True, action="append",
+                   help="a named prompt set (humaneval, mbpp, gsm8k, mt-bench, ...: benchmarks/data/) "
+                   "or a {\"turns\": [...]} JSONL (repeatable)")
     b.add_argument("--limit", type=int, default=None, help="prompts per dataset")
     b.add_argument("--max-tokens", type=int, default=256)
     b.add_argument("--temperature", type=float, default=1.0)

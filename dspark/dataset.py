@@ -8,7 +8,7 @@ Prompt sources (all on the machine, none from the benchmarks):
   * general-domain requests (writing, role-play, reasoning puzzles, STEM and humanities
     explanations, extraction from a given passage) combined from templates and word lists, so the
     head also sees the target's everyday prose (MT-Bench-like traffic), not only code and arithmetic.
-``decontaminate`` drops any prompt sharing a 13-word span with ``../shared/benchmarks``.
+``decontaminate`` drops any prompt sharing a 13-word span with the prompt sets in ``benchmarks/data/``.
 Responses come from the target itself (its chat template, the engine's batched generation),
 half greedy and half at temperature 1.0 / top-p 0.95, so both serving regimes are covered.
 """

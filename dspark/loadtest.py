@@ -1,6 +1,6 @@
 """``dspark loadtest``: replay benchmark prompts at fixed concurrency against a running server.
 
-    dspark loadtest --url http://127.0.0.1:8000 [--grpc 127.0.0.1:9000] --dataset ../shared/benchmarks/mt-bench.jsonl \\
+    dspark loadtest --url http://127.0.0.1:8000 [--grpc 127.0.0.1:9000] --dataset mt-bench \\
         --concurrency 1,4,16,32 --requests 32 --max-tokens 128 [--modes on,off] [--out load.json] [--plot load.png]
 
 For each concurrency level and each mode (speculation on, and off through the request's
@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
+
+from dspark.prompt_sets import read_prompts
 
 
 @dataclass
@@ -205,18 +207,6 @@ async def run_level(sender, prompts: list[str], concurrency: int, requests: int,
     return records, time.perf_counter() - start
 
 
-def load_prompts(path: Path) -> list[str]:
-    prompts = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            turns = json.loads(line).get("turns") or []
-            if turns:
-                prompts.append(turns[0])
-    if not prompts:
-        raise ValueError(f"{path}: no prompts (one {{\"turns\": [...]}} per line expected)")
-    return prompts
-
-
 def check_loopback(address: str) -> None:
     host = urlparse(address if "://" in address else f"//{address}").hostname or ""
     for info in socket.getaddrinfo(host, None):
@@ -225,7 +215,7 @@ def check_loopback(address: str) -> None:
 
 
 async def run(args) -> dict:
-    prompts = load_prompts(Path(args.dataset))
+    prompts = read_prompts(args.dataset)
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = [m.strip() for m in args.modes.split(",")]
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p}
@@ -298,7 +288,8 @@ def add_parser(sub) -> None:
     lt = sub.add_parser("loadtest", help="replay benchmark prompts at fixed concurrency against a server")
     lt.add_argument("--url", default="http://127.0.0.1:8000", help="HTTP base URL (OpenAI-compatible API)")
     lt.add_argument("--grpc", default=None, help="host:port: use gRPC GenerateStream instead of HTTP")
-    lt.add_argument("--dataset", required=True, help="JSONL with {\"turns\": [...]} per line")
+    lt.add_argument("--dataset", default="mt-bench", help="a named prompt set (benchmarks/data/) or a JSONL with "
+                    "{\"turns\": [...]} per line")
     lt.add_argument("--concurrency", default="1,4,16,32", help="comma-separated concurrency levels")
     lt.add_argument("--requests", type=int, default=32, help="requests per level and mode")
     lt.add_argument("--duration", type=float, default=600.0, help="stop issuing requests after this many s per level")

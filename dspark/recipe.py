@@ -20,6 +20,7 @@ from dspark.dataset import build_prompts, decontaminate, generate_responses
 from dspark.draft_model import DSparkDraft
 from dspark.engine import Engine
 from dspark.loader import load_tokenizer
+from dspark.prompt_sets import PROMPT_SETS_DIR
 from dspark.target_cache import build_target_cache, load_target_cache
 from dspark.target_checkpoint import load_target
 from dspark.trainer import (
@@ -45,7 +46,7 @@ class DataSpec(_Strict):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="dtype the target generates responses in: the one it is served in. The target "
                                "cache (features and distributions) is always computed in float32.")
-    benchmarks_dir: str = Field("../shared/benchmarks", description="Prompts sharing a 13-word span with "
+    benchmarks_dir: str = Field(str(PROMPT_SETS_DIR), description="Prompts sharing a 13-word span with "
                                                                     "these are dropped.")
 
 

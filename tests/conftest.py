@@ -1,8 +1,7 @@
-"""Shared fixtures: small real checkpoints made with transformers, prompts from ../shared."""
+"""Shared fixtures: small real checkpoints made with transformers, prompts from the repo's benchmarks/data/."""
 
 from __future__ import annotations
 
-import json
 import os
 import sysconfig
 from pathlib import Path
@@ -16,21 +15,18 @@ from dspark.draft_model import DSparkDraft
 from dspark.drafter import DSparkDrafter
 from dspark.engine import Engine
 from dspark.loader import load_tokenizer
+from dspark.prompt_sets import read_prompts
 from dspark.scheduler import StepCostProfile
 from dspark.target_checkpoint import load_target
 from dspark.testing import make_tiny_target, tiny_draft_config
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("DSPARK_SHARED", REPO.parent / "shared"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 def benchmark_prompts(name: str, limit: int) -> list[str]:
-    path = SHARED / "benchmarks" / f"{name}.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} not available")
-    with path.open() as f:
-        return [json.loads(line)["turns"][0] for _, line in zip(range(limit), f)]
+    """The first ``limit`` prompts of a prompt set the repo carries (a missing file fails the test)."""
+    return read_prompts(name, limit)
 
 
 def stdlib_texts(limit: int = 40) -> list[str]:

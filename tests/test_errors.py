@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from dspark.config import ConfigError, SamplingParams
+from dspark.prompt_sets import prompt_set_path
 from dspark.recipe import TrainFileConfig
 from dspark.schema import load_engine_config, read_yaml, sampling_from_values
 
-from conftest import REPO, SHARED, make_engine
+from conftest import REPO, make_engine
 
 
 @pytest.mark.parametrize(("values", "field"), [
@@ -157,7 +158,7 @@ def test_cli_reports_bad_config_by_name(tmp_path):
 
 def test_cli_bench_writes_results_table_and_plot(tiny_config, tmp_path):
     out, plot = tmp_path / "results.json", tmp_path / "acceptance.png"
-    dataset = SHARED / "benchmarks" / "mbpp.jsonl"
+    dataset = prompt_set_path("mbpp")
     run = dspark_cli("bench", "--config", str(tiny_config), "--dataset", str(dataset), "--limit", "2",
                      "--max-tokens", "12", "--out", str(out), "--plot", str(plot), "--baseline-dtypes", "float64")
     assert run.returncode == 0, run.stderr

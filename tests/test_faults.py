@@ -86,7 +86,7 @@ def _wait_healthy(timeout_s: float = 180.0) -> dict:
 
 
 def _loadtest_args(**overrides) -> argparse.Namespace:
-    values = dict(url=HTTP, grpc=None, dataset=str(REPO.parent / "shared" / "benchmarks" / "mt-bench.jsonl"),
+    values = dict(url=HTTP, grpc=None, dataset="mt-bench",
                   concurrency="1,2", requests=2, duration=300.0, max_tokens=16, temperature=0.0, top_p=1.0,
                   modes="on,off", model=None, api_key=None, timeout=300.0, allow_remote=False, out=None, plot=None)
     values.update(overrides)

@@ -16,11 +16,12 @@ from dspark.drafter import DSparkDrafter
 from dspark.engine import Engine
 from dspark.loader import load_tokenizer
 from dspark.losses import dspark_loss, position_weights
+from dspark.prompt_sets import PROMPT_SETS_DIR
 from dspark.recipe import TrainFileConfig, run_recipe
 from dspark.target_checkpoint import load_target
 from dspark.testing import make_tiny_target
 
-from conftest import SHARED, stdlib_texts
+from conftest import stdlib_texts
 
 
 def test_prompts_are_decontaminated_and_varied():
@@ -28,7 +29,7 @@ def test_prompts_are_decontaminated_and_varied():
     assert len(set(prompts)) > 250
     planted = "Write a solution to the following problem and make sure that it passes the tests: " \
               "```python from typing import List def has_close_elements(numbers: List[float], threshold: float)"
-    kept = decontaminate(prompts + [planted], SHARED / "benchmarks")
+    kept = decontaminate(prompts + [planted], PROMPT_SETS_DIR)
     assert planted not in kept and len(kept) >= 290
 
 
@@ -63,7 +64,7 @@ def test_recipe_end_to_end(tmp_path):
     target_dir = make_tiny_target(tmp_path / "target", stdlib_texts(20), vocab_size=400, num_layers=4)
     cfg = TrainFileConfig(
         target_path=str(target_dir), work_dir=str(tmp_path / "work"), output_dir=str(tmp_path / "draft"),
-        data={"num_prompts": 24, "max_tokens": 40, "batch": 24, "benchmarks_dir": str(SHARED / "benchmarks"),
+        data={"num_prompts": 24, "max_tokens": 40, "batch": 24, "benchmarks_dir": str(PROMPT_SETS_DIR),
               "dtype": "bfloat16"},  # responses from the target as served (bf16), cache in fp32
         draft={"num_layers": 1, "target_layer_ids": [0, 2, 3], "block_size": 4, "markov_rank": 16,
                "mask_token_id": 3},
