@@ -22,6 +22,7 @@ the actor in the background and new requests speculate again once it is up.
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import ray
@@ -41,6 +42,8 @@ from dspark.request import Request, RequestOutput, Status
 from dspark.schema import EngineFileConfig
 from dspark.target_checkpoint import read_target_config
 from dspark.tensor_parallel import check_divisible
+
+log = logging.getLogger("dspark")
 
 
 def replica_bundles(config: EngineFileConfig) -> list[dict[str, float]]:
@@ -62,7 +65,9 @@ def _speculates(config: EngineFileConfig) -> bool:
 class Router(Engine):
     def __init__(self, config: EngineFileConfig, placement=None, bundle_offset: int = 0):
         """``placement``: a ready placement group holding ``replica_bundles(config)`` from bundle
-        ``bundle_offset`` on (a Serve replica passes its own); None creates one for this router."""
+        ``bundle_offset`` on (a Serve replica passes its own); None creates one for this router.
+        ``auto`` dtypes are chosen here, on the node its placement group packs the actors on."""
+        config, choices = config.with_concrete_dtypes(on_gpu=config.runtime.shard_gpus > 0)
         self.file_config, rt = config, config.runtime
         target_path = config.resolve(config.target.path)
         if not target_path.is_dir():
@@ -100,6 +105,9 @@ class Router(Engine):
             self.shutdown()
             raise
         self.feature_layers = layers
+        self.dtypes = {part: c.as_dict() for part, c in choices.items()}
+        for part, choice in choices.items():
+            log.info("%s dtype %s (%s)", part, choice.dtype, choice.reason)
 
     # ------------------------------------------------------------------ actors
     def _start_actors(self, full_config, layers: tuple[int, ...]) -> tuple[RemoteTarget, RemoteDrafter | None]:

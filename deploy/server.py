@@ -301,6 +301,7 @@ class DSparkServer:
         return {"status": "ok", "replica": self.replica_id, "actors": self.router.actor_pids,
                 "in_flight": self.loop.in_flight, "kv_free_blocks": alloc.num_free_blocks,
                 "kv_total_blocks": alloc.usable_blocks, "speculation_enabled": self.router.speculation_enabled,
+                "dtypes": self.router.dtypes,
                 "autoscaling": self.loop.autoscaling_stats()}
 
     @api.get("/metrics", summary="Prometheus metrics of this replica (no authentication, no request content)",

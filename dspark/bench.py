@@ -83,6 +83,12 @@ def markdown_table(results: dict, block: int) -> str:
     lines.append(f"| **Pooled** | {pooled['prompts']} | | **{pooled['acceptance_length_pooled']:.3f}** | {rates} | "
                  f"{pooled['drafted_round_share']:.0%} | {pooled['tokens_per_s']:.1f} | "
                  f"{pooled['baseline_tokens_per_s']:.1f} | {pooled['speedup']:.2f}x |")
+    target = results.get("dtypes", {}).get("target")
+    if target:
+        plain = ", ".join(f"{d} {v:.1f} tok/s" for d, v in results.get("plain_by_dtype", {}).items())
+        ratio = results.get("chosen_dtype_vs_fastest_plain")
+        lines += ["", f"Dtype: {target['dtype']} ({target['reason']}). Plain decoding, pooled: {plain}"
+                  + (f"; the chosen dtype runs at {ratio:.2f}x the fastest." if ratio is not None else ".")]
     return "\n".join(lines)
 
 
@@ -120,8 +126,9 @@ def run_bench(cfg: EngineFileConfig, datasets: list[Path], limit: int | None, ma
     bases = {d: build_engine(cfg.model_copy(update={"target": cfg.target.model_copy(update={"dtype": d})}),
                              speculate=False) for d in baseline_dtypes}
     results: dict = {"model": cfg.name, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens,
-                     "block_size": spec_engine.block_size, "benchmarks": {}}
+                     "block_size": spec_engine.block_size, "dtypes": spec_engine.dtypes, "benchmarks": {}}
     pooled, pooled_base_s, pooled_spec_s = SpecMetrics(), 0.0, 0.0
+    plain_tokens, plain_s = dict.fromkeys(bases, 0), dict.fromkeys(bases, 0.0)  # per baseline dtype, pooled
     for path in datasets:
         name = path.stem
         prompts = [encode_prompt(tok, p, chat=True)[-(cfg.engine.max_model_len - max_tokens - 1):]
@@ -139,10 +146,17 @@ def run_bench(cfg: EngineFileConfig, datasets: list[Path], limit: int | None, ma
         pooled = pooled.merge(spec["metrics"])
         pooled_spec_s += spec["seconds"]
         pooled_base_s += base_runs[best]["seconds"]
+        for d, run in base_runs.items():
+            plain_tokens[d] += run["metrics"].completion_tokens
+            plain_s[d] += run["seconds"]
     base_tokens = sum(r["baseline"]["completion_tokens"] for r in results["benchmarks"].values())
     summary = summarise({"metrics": pooled, "seconds": pooled_spec_s, "timings": {}},
                         sum(r["speculative"]["prompts"] for r in results["benchmarks"].values()))
     summary["baseline_tokens_per_s"] = base_tokens / max(pooled_base_s, 1e-9)
     summary["speedup"] = summary["tokens_per_s"] / max(summary["baseline_tokens_per_s"], 1e-9)
     results["pooled"] = summary
+    results["plain_by_dtype"] = plain = {d: plain_tokens[d] / max(plain_s[d], 1e-9) for d in bases}
+    chosen = spec_engine.dtypes.get("target", {}).get("dtype")
+    if chosen in plain:  # how the dtype the config chose decodes against the fastest one measured here
+        results["chosen_dtype_vs_fastest_plain"] = plain[chosen] / max(plain.values())
     return results

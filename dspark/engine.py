@@ -80,6 +80,7 @@ class Engine:
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
         self.metrics = SpecMetrics()
+        self.dtypes: dict[str, dict] = {}  # how the builder chose each part's dtype (reported by /health, bench)
         self.num_steps = 0
         self.speculation_enabled = True  # new requests speculate (a load-aware switch may turn this off)
         # tracing hook: on_phase(name, start_ns, end_ns, request_ids, per_request attributes)

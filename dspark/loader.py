@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from dspark.engine import Engine
 from dspark.schema import EngineFileConfig
 from dspark.target_checkpoint import load_target
 from dspark.target_model import DTYPES, TargetModel
+
+log = logging.getLogger("dspark")
 
 
 def load_tokenizer(path: str | Path):
@@ -36,6 +39,10 @@ def build_drafter(cfg: EngineFileConfig, target: TargetModel, engine_cfg: Engine
 
 
 def build_engine(cfg: EngineFileConfig, speculate: bool | None = None) -> Engine:
+    """An in-process engine on this machine's CPU (``auto`` dtypes chosen here; ``engine.dtypes`` says how)."""
+    cfg, choices = cfg.with_concrete_dtypes(on_gpu=False)
+    for part, choice in choices.items():
+        log.info("%s dtype %s (%s)", part, choice.dtype, choice.reason)
     target_path = cfg.resolve(cfg.target.path)
     if not target_path.is_dir():
         raise ConfigError("target.path", f"{target_path} is not a directory (run `dspark prepare`?)")
@@ -46,7 +53,9 @@ def build_engine(cfg: EngineFileConfig, speculate: bool | None = None) -> Engine
     tokenizer = load_tokenizer(target_path)
     drafter = build_drafter(cfg, target, engine_cfg)
     layers = drafter.model.config.target_layer_ids if drafter else ()
-    return Engine(target, tokenizer, drafter, engine_cfg, feature_layers=layers)
+    engine = Engine(target, tokenizer, drafter, engine_cfg, feature_layers=layers)
+    engine.dtypes = {part: c.as_dict() for part, c in choices.items()}
+    return engine
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:

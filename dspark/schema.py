@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dspark.config import ConfigError, EngineConfig, SamplingParams
+from dspark.dtype_choice import DtypeChoice, resolve_dtype
 
 
 class _Strict(BaseModel):
@@ -27,8 +28,10 @@ class TargetSpec(_Strict):
     path: str = Field(description="Local Hugging Face checkpoint directory of the target (config.json, "
                                   "safetensors, tokenizer). '~' and $VARS are expanded; relative paths are "
                                   "relative to the YAML file.")
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
-        "float32", description="Compute dtype of the target weights and KV cache.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
+        "auto", description="Compute dtype of the target weights and KV cache. 'auto': bf16 on GPUs and on CPUs "
+                            "with native bf16 matrix instructions (AVX-512 BF16, AMX, Arm BF16), fp32 on other "
+                            "CPUs (where bf16 is emulated and slower).")
     architecture: str | None = Field(None, description="A config.json describing the target, for sizing and "
                                                        "validating a deployment before its weights are on this "
                                                        "machine (default: the one in path).")
@@ -47,8 +50,8 @@ class TargetSpec(_Strict):
 class DraftSpec(_Strict):
     path: str | None = Field(None, description="DSpark draft checkpoint directory (speculators layout). "
                                                "None serves the target alone.")
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
-        "float32", description="Compute dtype of the draft head and its context cache.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
+        "auto", description="Compute dtype of the draft head and its context cache ('auto': as for the target).")
     architecture: str | None = Field(None, description="A speculators config.json describing the draft, for "
                                                        "sizing before its weights are here (default: the one in "
                                                        "path).")
@@ -185,6 +188,14 @@ class EngineFileConfig(_Strict):
                       lambda m: os.environ.get(m[1] or m[2], defaults.get(m[1] or m[2], m[0])), path)
         expanded = Path(os.path.expanduser(path))
         return expanded if expanded.is_absolute() else Path(self.base_dir or ".") / expanded
+
+    def with_concrete_dtypes(self, on_gpu: bool = False, flags: set[str] | None = None
+                             ) -> tuple[EngineFileConfig, dict[str, DtypeChoice]]:
+        """This config with ``auto`` dtypes chosen for the machine it runs on, and each choice with its reason
+        (``flags``: the CPU's feature flags, for tests; default: this machine's)."""
+        choices = {part: resolve_dtype(getattr(self, part).dtype, on_gpu, flags) for part in ("target", "draft")}
+        update = {part: getattr(self, part).model_copy(update={"dtype": c.dtype}) for part, c in choices.items()}
+        return self.model_copy(update=update), choices
 
 
 class SamplingSpec(_Strict):
