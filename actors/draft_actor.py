@@ -116,7 +116,7 @@ class DraftWorker:
 class RemoteDrafter:
     """The router's ``Drafter``: batches start/release/ingest bookkeeping into the next draft call.
 
-    ``propose`` returns None when the actor died or timed out; the engine then decodes those
+    ``result`` returns None when the actor died or timed out; the engine then decodes those
     requests without drafts, and the router replaces the actor.
     """
 
@@ -155,9 +155,6 @@ class RemoteDrafter:
         except (ray.exceptions.RayError, TimeoutError):
             self.available = False
             return None
-
-    def propose(self, requests: list[Request], sampling: SamplingTensors) -> DraftProposal | None:
-        return self.result(self.submit(requests, sampling))
 
     def round_seconds(self) -> float:
         return ray.get(self.actor.round_seconds.remote())

@@ -6,13 +6,13 @@ scheduling, commit, stop conditions, emission: the same code) driving remote exe
 It runs wherever its owner runs: in a driver, in a Ray Serve replica, or as ``RouterActor``.
 The actors it creates are owned by it and die with it (fate-sharing).
 
-Step: schedule -> (await the draft) -> schedule the verified prefix -> verify -> commit ->
-submit the next draft -> emit. The next draft is submitted as soon as a round commits, so the
-draft call's Ray overhead overlaps the router's own bookkeeping. With ``pipeline: true`` the
-running requests are split into two micro-batches: while the target verifies one, the drafter
-drafts the other, so neither actor waits for the other (the overlap the disaggregated design
-exists for; it pays when target and drafter do not share the same cores). Greedy outputs are
-the same either way.
+Step: ``Engine.step``, unchanged (schedule -> draft gate -> draft -> schedule the verified prefix
+-> verify -> commit -> emit); the router only supplies the executors and asks for a group's next
+draft as soon as its round commits, so the draft call's Ray overhead overlaps the router's own
+bookkeeping. With ``pipeline: true`` the running requests are split into two micro-batches:
+while the target verifies one, the drafter drafts the other, so neither actor waits for the
+other (the overlap the disaggregated design exists for; it pays when target and drafter do not
+share the same cores). Greedy outputs are the same either way.
 
 Drafter failure: a draft call that raises or exceeds ``drafter_timeout_s`` turns the affected
 requests into plain target decoding (still exactly the target's output); the router replaces
@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 
 import ray
-import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -35,10 +33,9 @@ from actors.draft_actor import DraftWorker, RemoteDrafter
 from actors.target_actor import RemoteTarget, TargetShard
 from dspark.checkpoint import draft_config_from_json
 from dspark.config import ConfigError
-from dspark.draft_model import DraftProposal
-from dspark.engine import Engine, _Round
+from dspark.engine import Engine
 from dspark.loader import load_tokenizer
-from dspark.request import Request, RequestOutput, Status
+from dspark.request import Request, RequestOutput
 from dspark.schema import EngineFileConfig
 from dspark.target_checkpoint import read_target_config
 from dspark.tensor_parallel import check_divisible
@@ -96,7 +93,6 @@ class Router(Engine):
         self.actor_pids: dict = {"target_shards": [], "drafter": None}  # for operators (GET /health)
         self.drafter_restarts = 0
         self.feature_shard = 0  # the shard with the feature channel (set on connect)
-        self._inflight: dict[int, tuple[list[Request], ray.ObjectRef]] = {}
         self._admitted = 0
         try:
             target, drafter = self._start_actors(full_config, layers)
@@ -156,7 +152,7 @@ class Router(Engine):
         if self._pending_drafter is None:
             ray.get(self.shards[self.feature_shard].drop_channel.remote())
             ray.kill(self.drafter.actor, no_restart=True)
-            self._inflight.clear()
+            self._drafts.clear()
             for request in self.running:  # their context lived in the dead actor: finish without drafts
                 request.speculative = False
             actor = self._new_drafter_actor()
@@ -181,7 +177,7 @@ class Router(Engine):
         """After a target failure, once every in-flight request has been failed: replace the replica's
         shards and drafter in the same placement group (weights reload; the cost table is kept)."""
         self._kill_actors()
-        self._inflight.clear()
+        self._drafts.clear()
         if self.has_unfinished() or self.allocator.num_free_blocks != self.allocator.usable_blocks:
             raise RuntimeError("restart_target needs every request finished first")
         self.target, self.drafter = self._start_actors(self.target.config, self.feature_layers)
@@ -192,12 +188,16 @@ class Router(Engine):
         ray.kill(self.drafter.actor, no_restart=True)
 
     # ------------------------------------------------------------------ the step
+    # ``Engine.step`` is the round; the router only says who executes it: the target pass runs on the shard
+    # actors (``RemoteTarget``), the draft pass on the drafter actor (``RemoteDrafter``), and a group's next
+    # draft is asked for as soon as its round commits (``overlap_drafts``), so the draft call overlaps the
+    # router's bookkeeping and, with ``pipeline: true``, the verification of the other micro-batch.
+    overlap_drafts = True
+
     def step(self) -> list[RequestOutput]:
         if self.drafter is not None and not self.drafter.available:
             self._recover_drafter()
-        if self.drafter is None:
-            return super().step()
-        return self._overlapped_step()
+        return super().step()
 
     def _schedule(self):
         prefill, decode = super()._schedule()
@@ -207,53 +207,15 @@ class Router(Engine):
             self._admitted += 1
         return prefill, decode
 
-    def _overlapped_step(self) -> list[RequestOutput]:
-        """Verify micro-batch m while the drafter drafts micro-batch 1 - m (or the next round of m)."""
-        started = time.perf_counter()
-        prefill, decode = self._schedule()
-        speculative = [r for r in decode if r.speculative and self.drafter.available]
-        plain = prefill + [r for r in decode if r not in speculative]
-        if plain:
-            self._run_round(_Round(plain, None, torch.zeros(len(plain), dtype=torch.long)))
-        for m in (0, 1):
-            if m not in self._inflight:
-                self._submit_draft(m)
-        for m in (0, 1):
-            if m not in self._inflight:
-                continue
-            requests, ref = self._inflight.pop(m)
-            t0, start_ns = time.perf_counter(), time.time_ns()
-            proposal = self.drafter.result(ref)
-            self.timings["draft"] += time.perf_counter() - t0  # time the router waited for the drafter
-            if proposal is not None and self.on_phase is not None:
-                recv_ns = int(self.drafter.last_timing.get("recv_s", 0.0) * 1e9)
-                ids = [r.request_id for r in requests]
-                self.on_phase("transport", start_ns, start_ns + recv_ns, ids, {})
-                self._phase("draft", start_ns, requests)
-            if proposal is None:
-                for request in requests:
-                    request.speculative = False
-                self.metrics.drafter_fallbacks += len(requests)
-                self._inflight.clear()
-                break
-            keep = [i for i, r in enumerate(requests) if r.status == Status.RUNNING]
-            requests, proposal = [requests[i] for i in keep], _rows(proposal, keep)
-            if requests:
-                t1 = time.perf_counter()
-                lengths = self._schedule_verify(requests, proposal)
-                self.timings["schedule"] += time.perf_counter() - t1
-                self._run_round(_Round(requests, proposal, lengths))
-            self._submit_draft(m)
-        outputs = self._emit(prefill + decode)
-        self.timings["step"] += time.perf_counter() - started
-        self.num_steps += 1
-        return outputs
+    def _group(self, request: Request) -> int:
+        return request.microbatch
 
-    def _submit_draft(self, m: int) -> None:
-        group = [r for r in self.running if r.status == Status.RUNNING and r.speculative
-                 and r.microbatch == m and r.num_cached > 0]
-        if group and self.drafter.available:
-            self._inflight[m] = (group, self.drafter.submit(group, self._sampling(group)))
+    def _on_draft(self, draft) -> None:
+        if self.on_phase is not None:  # tracing: the feature transfer inside the draft call, then the draft
+            recv_ns = int(self.drafter.last_timing.get("recv_s", 0.0) * 1e9)
+            self.on_phase("transport", draft.start_ns, draft.start_ns + recv_ns,
+                          [r.request_id for r in draft.drafting], {})
+        super()._on_draft(draft)
 
     # ------------------------------------------------------------------ telemetry
     def transport_stats(self) -> dict:
@@ -276,17 +238,6 @@ class Router(Engine):
         if self._own_placement and self.placement is not None:
             remove_placement_group(self.placement)
             self.placement = None
-
-
-def _rows(proposal: DraftProposal, keep: list[int]) -> DraftProposal:
-    """The proposal's rows ``keep`` (requests that finished while their draft was in flight drop out)."""
-    if len(keep) == len(proposal.tokens):
-        return proposal
-    index = torch.tensor(keep, dtype=torch.long)
-    probs = proposal.draft_probs
-    if probs is not None:
-        probs = probs.to_dense().index_select(0, index)
-    return DraftProposal(proposal.tokens[index], probs, proposal.confidences[index])
 
 
 RouterActor = ray.remote(Router)

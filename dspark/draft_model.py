@@ -26,8 +26,26 @@ class DraftProposal:
     """What a drafter hands to the scheduler and the verifier."""
 
     tokens: torch.Tensor  # [B, G] int64 drafted tokens
-    draft_probs: torch.Tensor  # [B, G, V] the exact distributions the tokens were sampled from
+    draft_probs: torch.Tensor | None  # [B, G, V] the exact distributions sampled from (None: greedy, not sent)
     confidences: torch.Tensor  # [B, G] calibrated P(token k accepted | tokens < k accepted)
+
+    def rows(self, keep: list[int]) -> DraftProposal:
+        """Rows ``keep`` of the proposal (requests that finished while their block was drafted drop out)."""
+        if len(keep) == len(self.tokens):
+            return self
+        index = torch.tensor(keep, dtype=torch.long)
+        probs = None if self.draft_probs is None else self.draft_probs.to_dense().index_select(0, index)
+        return DraftProposal(self.tokens[index], probs, self.confidences[index])
+
+    def widen(self, rows: torch.Tensor, total: int) -> DraftProposal:
+        """This proposal as rows ``rows`` [n] of a ``total``-row one, zeros elsewhere (rows without a block)."""
+        def widen(t: torch.Tensor | None) -> torch.Tensor | None:  # [n, ...] -> [total, ...]
+            if t is None:
+                return None
+            t = t.to_dense()
+            return t.new_zeros(total, *t.shape[1:]).index_copy_(0, rows, t)
+
+        return DraftProposal(widen(self.tokens), widen(self.draft_probs), widen(self.confidences))
 
 
 class MarkovHead(nn.Module):

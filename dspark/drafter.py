@@ -44,8 +44,12 @@ class Drafter(Protocol):
         """Context rows committed by a verify pass: ``kept[i]`` rows for ``request_ids[i]``, packed in
         ``features`` [sum kept, K * hidden] (None when they travel to the drafter another way)."""
 
-    def propose(self, requests: list[Request], sampling: SamplingTensors) -> DraftProposal | None:
-        """A block per request; None if the drafter failed (those requests go on without it)."""
+    def submit(self, requests: list[Request], sampling: SamplingTensors) -> object:
+        """Start drafting a block per request; returns a handle for ``result`` (an in-process drafter drafts
+        here and hands the proposal back as the handle; a remote one returns at once)."""
+
+    def result(self, handle: object) -> DraftProposal | None:
+        """The blocks of a ``submit``; None if the drafter failed (those requests go on without it)."""
 
     def release(self, request: Request) -> None: ...
 
@@ -90,8 +94,11 @@ class DSparkDrafter:
             if rid in self.pending and len(rows):
                 self.pending[rid].append(rows)
 
-    def propose(self, requests: list[Request], sampling: SamplingTensors) -> DraftProposal:
+    def submit(self, requests: list[Request], sampling: SamplingTensors) -> DraftProposal:
         return self.draft(DraftInputs.from_requests(requests), sampling)
+
+    def result(self, handle: DraftProposal) -> DraftProposal:
+        return handle
 
     @torch.inference_mode()
     def draft(self, inputs: DraftInputs, sampling: SamplingTensors) -> DraftProposal:

@@ -48,10 +48,24 @@ class _Round:
     drafted: torch.Tensor | None = None  # [B] bool, rows with a drafted block (None: all rows if proposal)
 
 
+@dataclass
+class _Draft:
+    """The blocks asked for one group's next round: its rows, those drafting (the rest the gate held back)
+    and the drafter's handle (None when nobody drafts)."""
+
+    group: int
+    requests: list[Request]
+    drafting: list[Request]
+    handle: object | None
+    start_ns: int
+
+
 class Engine:
     """``target`` is a TargetModel (run in this process) or any object with ``TargetRunner``'s
     interface (``config``, ``allocator``, ``run``, ``forward``), such as the Ray router's handle
-    on its target shard actors."""
+    on its target shard actors; ``drafter`` runs in this process or is a handle on a drafter actor."""
+
+    overlap_drafts = False  # ask for a group's next draft as soon as its round commits (a remote drafter)
 
     def __init__(
         self,
@@ -87,6 +101,7 @@ class Engine:
         self.on_phase: Callable[[str, int, int, list[int], dict[str, list]], None] | None = None
         self.timings = {"draft": 0.0, "schedule": 0.0, "verify": 0.0, "step": 0.0}  # seconds, cumulative
         self._ids = itertools.count()
+        self._drafts: dict[int, _Draft] = {}  # a group's next-round draft, asked for early (overlap_drafts)
         self.profile = profile
         if self.drafter is not None and (config.scheduler == "confidence" or config.draft_gate) and profile is None:
             self.profile = self.measure_profile()
@@ -141,44 +156,85 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """One decoding round for every running request (the only copy: the Ray router runs this too)."""
         started = time.perf_counter()
         prefill, decode = self._schedule()
-        rounds = []
-        if prefill:
-            rounds.append(_Round(prefill, None, torch.zeros(len(prefill), dtype=torch.long)))
-        speculative = [r for r in decode if r.speculative and self.drafter is not None]
-        plain = [r for r in decode if not (r.speculative and self.drafter is not None)]
+        drafting_on = self.drafter is not None and self.drafter.available
+        speculative = [r for r in decode if r.speculative and drafting_on]
+        drafts = self._drafts_for(speculative)
+        held = [r for d in drafts if d.handle is None for r in d.requests if r.status == Status.RUNNING]
+        plain = prefill + [r for r in decode if not (r.speculative and drafting_on)] + held
+        if plain:  # prefills, plain decoding and rows the gate held back: one pass (features still reach the drafter)
+            self._run_round(_Round(plain, None, torch.zeros(len(plain), dtype=torch.long)))
+        for draft in drafts:
+            if draft.handle is not None:
+                self._verify_draft(draft)
+                if self.overlap_drafts and self.drafter.available:  # draft the group's next round now
+                    self._drafts[draft.group] = self._ask_draft(draft.group, self._members(draft.group))
+        outputs = self._emit(prefill + decode)
+        self.timings["step"] += time.perf_counter() - started
+        self.num_steps += 1
+        return outputs
+
+    def _group(self, request: Request) -> int:
+        """Which draft group a request belongs to (one here; the pipelined router alternates two)."""
+        return 0
+
+    def _members(self, group: int) -> list[Request]:
+        return [r for r in self.running if r.status == Status.RUNNING and r.speculative and self._group(r) == group]
+
+    def _drafts_for(self, speculative: list[Request]) -> list[_Draft]:
+        """This round's draft of every group: one asked for after the group's last round (overlap), else now.
+        A request that joined its group after that draft was asked for waits for the group's next round."""
+        groups = sorted({self._group(r) for r in speculative} | set(self._drafts))
+        drafts = [self._drafts.pop(g, None) or self._ask_draft(g, [r for r in speculative if self._group(r) == g])
+                  for g in groups]
+        return [d for d in drafts if d.requests]
+
+    def _ask_draft(self, group: int, requests: list[Request]) -> _Draft:
+        """Decide who drafts (the gate, once per round) and submit their blocks to the drafter."""
+        requests = [r for r in requests if r.num_cached > 0]  # prefilled: its context features are committed
         drafting = []
-        for request in speculative:
+        for request in requests:
             if request.gate is None or self.gate.wants_draft(request.gate):
                 drafting.append(request)
             else:
                 request.metrics.draft_skips += 1
                 self.metrics.draft_skips += 1
-        if not drafting:  # the gate held every block back: one plain pass (features still reach the drafter)
-            plain, speculative = plain + speculative, []
-        if plain:
-            rounds.append(_Round(plain, None, torch.zeros(len(plain), dtype=torch.long)))
-        if speculative:
-            t0, start_ns = time.perf_counter(), time.time_ns()
-            proposal = self._draft(drafting)
-            self._phase("draft", start_ns, drafting)
-            t1 = time.perf_counter()
-            self.timings["draft"] += t1 - t0
-            if proposal is None:  # the drafter failed: these requests decode without it from now on
-                for request in speculative:
-                    request.speculative = False
-                self.metrics.drafter_fallbacks += len(speculative)
-                rounds.append(_Round(speculative, None, torch.zeros(len(speculative), dtype=torch.long)))
-            else:
-                rounds.append(self._drafted_round(speculative, drafting, proposal))
-            self.timings["schedule"] += time.perf_counter() - t1
-        for round_ in rounds:
-            self._run_round(round_)
-        outputs = self._emit(prefill + decode)
-        self.timings["step"] += time.perf_counter() - started
-        self.num_steps += 1
-        return outputs
+        t0, start_ns = time.perf_counter(), time.time_ns()
+        handle = self.drafter.submit(drafting, self._sampling(drafting)) if drafting else None
+        self.timings["draft"] += time.perf_counter() - t0
+        return _Draft(group, requests, drafting, handle, start_ns)
+
+    def _verify_draft(self, draft: _Draft) -> None:
+        """Wait for a group's blocks, schedule the verified prefixes, verify and commit (requests that finished
+        while their block was drafted drop out; a failed drafter leaves the group to plain decoding)."""
+        t0 = time.perf_counter()
+        proposal = self.drafter.result(draft.handle) if self.drafter.available else None  # None: failed
+        t1 = time.perf_counter()
+        self.timings["draft"] += t1 - t0  # in-process: ~0 (drafted at submit); remote: the wait
+        requests = [r for r in draft.requests if r.status == Status.RUNNING]
+        if proposal is None:  # the drafter failed: these requests decode without it from now on
+            for request in requests:
+                request.speculative = False
+            self.metrics.drafter_fallbacks += len(requests)
+            self._drafts.clear()
+            if requests:
+                self._run_round(_Round(requests, None, torch.zeros(len(requests), dtype=torch.long)))
+            return
+        self._on_draft(draft)
+        keep = [i for i, r in enumerate(draft.drafting) if r.status == Status.RUNNING]
+        drafting = [draft.drafting[i] for i in keep]
+        if not drafting:
+            if requests:
+                self._run_round(_Round(requests, None, torch.zeros(len(requests), dtype=torch.long)))
+            return
+        round_ = self._drafted_round(requests, drafting, proposal.rows(keep))
+        self.timings["schedule"] += time.perf_counter() - t1
+        self._run_round(round_)
+
+    def _on_draft(self, draft: _Draft) -> None:
+        self._phase("draft", draft.start_ns, draft.drafting)
 
     def _run_round(self, round_: _Round) -> None:
         """Verify one round on the target and commit it."""
@@ -221,9 +277,6 @@ class Engine:
     def _sampling(self, requests: list[Request]) -> SamplingTensors:
         return SamplingTensors.build([r.params for r in requests], [r.generator for r in requests])
 
-    def _draft(self, requests: list[Request]) -> DraftProposal | None:
-        return self.drafter.propose(requests, self._sampling(requests))
-
     def _drafted_round(self, requests: list[Request], drafting: list[Request], proposal: DraftProposal) -> _Round:
         """One verify pass for ``requests``; those the gate held back ride along with nothing to verify."""
         lengths = self._schedule_verify(drafting, proposal)
@@ -231,13 +284,10 @@ class Engine:
             return _Round(requests, proposal, lengths)
         chosen = {id(r) for r in drafting}
         rows = torch.tensor([i for i, r in enumerate(requests) if id(r) in chosen])
-
-        def widen(t: torch.Tensor) -> torch.Tensor:  # [len(drafting), ...] -> [len(requests), ...], zeros elsewhere
-            return t.new_zeros(len(requests), *t.shape[1:]).index_copy_(0, rows, t)
-
-        widened = DraftProposal(widen(proposal.tokens), widen(proposal.draft_probs), widen(proposal.confidences))
+        widened = proposal.widen(rows, len(requests))
         drafted = torch.zeros(len(requests), dtype=torch.bool).index_fill_(0, rows, True)
-        return _Round(requests, widened, widen(lengths), drafted)
+        lengths = torch.zeros(len(requests), dtype=lengths.dtype).index_copy_(0, rows, lengths)
+        return _Round(requests, widened, lengths, drafted)
 
     def _max_lengths(self, requests: list[Request]) -> torch.Tensor:
         # a round commits at most (verified + 1) tokens: never verify past max_tokens

@@ -37,7 +37,10 @@ class OracleDrafter:
     def commit(self, request_ids, kept, features) -> None:
         pass
 
-    def propose(self, requests, sampling) -> DraftProposal:
+    def result(self, handle: DraftProposal) -> DraftProposal:
+        return handle
+
+    def submit(self, requests, sampling) -> DraftProposal:
         rows = []
         for r in requests:
             ref = self.references[tuple(r.prompt_ids)]

@@ -18,11 +18,11 @@ from conftest import REPO, benchmark_prompts
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 
 
-def tiny_config(target_dir, draft_dir, **runtime) -> EngineFileConfig:
+def tiny_config(target_dir, draft_dir, engine=None, **runtime) -> EngineFileConfig:
     return EngineFileConfig(
         target={"path": str(target_dir), "dtype": "float64"},
         draft={"path": str(draft_dir), "dtype": "float64"},
-        engine={"max_num_seqs": 8, "kv_cache_tokens": 8192, "scheduler": "full"},
+        engine={"max_num_seqs": 8, "kv_cache_tokens": 8192, "scheduler": "full", **(engine or {})},
         runtime={"shard_threads": 1, "drafter_threads": 1, **runtime},
     )
 
@@ -79,6 +79,30 @@ def test_hidden_states_travel_by_the_collective_channel(ray_cluster, tiny_target
     # what the shard actors return to the router carries no hidden states
     assert stats["object_store_feature_bytes"] == 0 and stats["target"]["channel_errors"] == 0
     assert stats["target"]["rank"] == router.feature_shard
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_draft_gate_runs_on_the_ray_path(ray_cluster, tiny_target_dir, tiny_draft_dir, tiny_prompts,
+                                         in_process_greedy, pipeline):
+    """The router runs the engine's round: the gate holds the random head's blocks back there too."""
+    config = tiny_config(tiny_target_dir, tiny_draft_dir, engine={"draft_gate": True}, pipeline=pipeline)
+    router = Router(config)
+    try:
+        assert router.gate is not None and router.gate.break_even > 0
+        ids = [router.add_request(p, GREEDY) for p in tiny_prompts]
+        while router.has_unfinished():
+            router.step()
+        results = [router.result(i) for i in ids]
+    finally:
+        router.shutdown()
+    assert [r.token_ids for r in results] == in_process_greedy  # held-back rounds change nothing decoded
+    skips = [r.metrics.draft_skips for r in results]
+    assert router.metrics.draft_skips == sum(skips) > 0
+    assert all(r.metrics.draft_skips > 0 for r in results if r.metrics.verify_steps >= 8), skips
+    # a held-back round is a verify step without a draft: drafts + skips + prefill = verify steps per request
+    for r in results:
+        assert r.metrics.num_drafts + r.metrics.draft_skips + 1 <= r.metrics.verify_steps
+        assert r.metrics.num_drafts > 0  # every request drafted (and probed again) before being held back
 
 
 def test_feature_source_avoids_the_drafters_gpu():
