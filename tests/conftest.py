@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sysconfig
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 
 from dspark.checkpoint import save_draft
@@ -15,12 +19,16 @@ from dspark.draft_model import DSparkDraft
 from dspark.drafter import DSparkDrafter
 from dspark.engine import Engine
 from dspark.loader import load_tokenizer
+from dspark.prepare import prepare_target
 from dspark.prompt_sets import read_prompts
 from dspark.scheduler import StepCostProfile
+from dspark.schema import EngineFileConfig, load_engine_config, write_variant
 from dspark.target_checkpoint import load_target
 from dspark.testing import make_tiny_target, tiny_draft_config
 
 REPO = Path(__file__).resolve().parents[1]
+HTTP = "http://127.0.0.1:8000"  # Serve's HTTP proxy (serve_instance)
+GRPC = "127.0.0.1:9000"  # Serve's gRPC proxy
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
@@ -108,3 +116,54 @@ def serve_instance(ray_cluster):
                     "dspark.v1.serving_pb2_grpc.add_DSparkServicer_to_server",
                     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]})
     return serve
+
+
+def wait_for(probe: Callable, timeout_s: float, what: str, until: Callable = bool, interval_s: float = 0.2,
+             ignore: tuple[type[BaseException], ...] = ()):
+    """Poll ``probe()`` until ``until(value)`` holds and return that value; past ``timeout_s`` fail naming ``what``
+    and the last value observed. Exceptions of the ``ignore`` types count as not yet (a replica restarting)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = probe()
+            if until(value):
+                return value
+        except ignore as exc:
+            value = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}; last observed: {value!r}")
+        time.sleep(interval_s)
+
+
+def holds(probe: Callable, duration_s: float, what: str, until: Callable = bool, interval_s: float = 1.0) -> None:
+    """``until(probe())`` holds at every poll for ``duration_s``; fails at the first poll where it does not."""
+    deadline = time.monotonic() + duration_s
+    while time.monotonic() < deadline:
+        value = probe()
+        assert until(value), f"expected {what}; observed {value!r}"
+        time.sleep(interval_s)
+
+
+def get_health(route_prefix: str = "/", timeout_s: float = 30) -> dict:
+    return requests.get(f"{HTTP}{route_prefix.rstrip('/')}/health", timeout=timeout_s).json()
+
+
+@contextlib.contextmanager
+def deploy_app(tmp_dir: Path, name: str = "dspark", route_prefix: str = "/",
+               **sections: dict) -> Iterator[EngineFileConfig]:
+    """configs/embedded.yaml with some sections updated (``serving={...}``, ...), deployed by deploy.ray_app as
+    the Serve application ``name`` (needs serve_instance); yields its config once /health answers, then deletes it."""
+    from ray import serve
+
+    from deploy.ray_app import build_app
+
+    prepare_target()
+    path = write_variant(load_engine_config(REPO / "configs" / "embedded.yaml"), Path(tmp_dir) / f"{name}.yaml",
+                         **sections)
+    serve.run(build_app({"config": str(path)}), name=name, route_prefix=route_prefix)
+    try:
+        wait_for(lambda: get_health(route_prefix, 10), 180, f"application {name!r} to answer /health",
+                 until=lambda health: health.get("status") == "ok", ignore=(requests.RequestException,))
+        yield load_engine_config(path)
+    finally:
+        serve.delete(name)

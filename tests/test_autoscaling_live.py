@@ -1,32 +1,33 @@
 """Live autoscaling on a local cluster: lower acceptance at the same offered load adds a replica;
 acceptance recovering at that load removes it again.
 
-An open-loop client offers a fixed request rate (a counting prompt, 48 tokens each, one request a
-second: 48 tokens/s). Greedy, the shipped draft accepts about 2.7 tokens per verify step on it
-(measured 2.69, 59 ms steps: a modelled capacity of 90-180 tokens/s per replica): one replica
-suffices. At temperature 1.5 acceptance falls to about 1.25 and steps slow to 115-165 ms (capacity
-30-45 tokens/s, below the offered load), the queue grows, and the policy asks for a second replica.
-At half this load (24 tokens/s) the degraded capacity was too close to the offered load and the
-upscale depended on the machine's noise. Back at temperature 0, once the slow requests have
-drained, one replica suffices again and Serve removes the other after ``downscale_delay_s`` (20 s
-here) of that decision.
+The offered load derives from the replica's capacity as the policy itself models it
+(``deploy.autoscaling.ReplicaStats.capacity``: acceptance length x batch slots / step time), measured
+on this machine by a short greedy run at half the batch (the occupancy the load then keeps). An
+open-loop client offers half of it (a counting prompt, 48 tokens a request): the policy wants
+ceil(0.5 / 0.8) = 1 replica. At temperature 1.5 the drafter's proposals are accepted far less often
+(measured on one machine: acceptance 2.7 -> 1.25, steps 59 -> 115-165 ms, the capacity down to a fifth
+to a third), the offered load exceeds the target utilisation of one replica, the queue grows, and the
+policy asks for a second replica. Back at temperature 0, once the slow requests have drained, one
+replica suffices again and Serve removes the other after ``downscale_delay_s`` (20 s here) of that
+decision.
 """
 from __future__ import annotations
 
-import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
-from dspark.prepare import prepare_target
-from dspark.schema import load_engine_config
+from deploy.autoscaling import METRICS, ReplicaStats
 
-from conftest import REPO
+from conftest import HTTP, deploy_app, get_health, holds, wait_for
 
 pytestmark = pytest.mark.slow
-HTTP = "http://127.0.0.1:8000"
+MAX_TOKENS, SLOTS = 48, 4
+LOAD = 0.5  # of one replica's measured capacity
 
 
 def replicas() -> int:
@@ -34,6 +35,36 @@ def replicas() -> int:
 
     status = serve.status().applications["dspark"].deployments["DSparkServer"]
     return status.replica_states.get("RUNNING", 0)
+
+
+def complete(temperature: float) -> int | None:
+    body = {"model": "smollm2-135m-instruct", "prompt": "Count from 1 to 200: 1, 2, 3, 4, 5,",
+            "max_tokens": MAX_TOKENS, "temperature": temperature, "top_p": 1.0}
+    try:
+        return requests.post(f"{HTTP}/v1/completions", json=body, timeout=300).status_code
+    except requests.RequestException:
+        return None
+
+
+def measured_capacity(seconds: float) -> float:
+    """Tokens/s one replica generates at a full batch, as the policy computes it from the replica's telemetry,
+    after ``seconds`` (longer than its 10 s window) of greedy requests at half the batch."""
+    end = time.monotonic() + seconds
+
+    def closed_loop(_) -> list[int | None]:
+        statuses = []
+        while time.monotonic() < end:
+            statuses.append(complete(0.0))
+        return statuses
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(SLOTS // 2) as pool:
+        statuses = [s for worker in pool.map(closed_loop, range(SLOTS // 2)) for s in worker]
+    assert statuses and set(statuses) == {200}, statuses
+    stats = ReplicaStats(*(float(get_health()["autoscaling"][m]) for m in METRICS))
+    print(f"measured {len(statuses) * MAX_TOKENS / (time.monotonic() - start):.1f} tokens/s at half the batch; "
+          f"policy's view {stats}: capacity {stats.capacity:.1f} tokens/s", flush=True)
+    return stats.capacity
 
 
 class OpenLoop:
@@ -46,12 +77,7 @@ class OpenLoop:
         self.thread.start()
 
     def _one(self, temperature: float) -> None:
-        body = {"model": "smollm2-135m-instruct", "prompt": "Count from 1 to 200: 1, 2, 3, 4, 5,",
-                "max_tokens": 48, "temperature": temperature, "top_p": 1.0}
-        try:
-            status = requests.post(f"{HTTP}/v1/completions", json=body, timeout=300).status_code
-        except requests.RequestException:
-            status = None
+        status = complete(temperature)
         if status == 429:
             self.refused += 1
         elif status != 200 and not self.stop.is_set():  # requests cut off by the app's deletion do not count
@@ -63,56 +89,35 @@ class OpenLoop:
             self.stop.wait(self.interval)
 
 
-def wait_for(predicate, timeout: float, what: str) -> float:
-    start, last = time.monotonic(), 0.0
-    while not predicate():
-        assert time.monotonic() - start < timeout, f"timed out waiting for {what}"
-        if time.monotonic() - last > 30:  # progress: one replica's view
-            last = time.monotonic()
-            print(what, requests.get(f"{HTTP}/health", timeout=30).json()["autoscaling"], flush=True)
-        time.sleep(1)
-    return time.monotonic() - start
-
-
-def hold(count: int, seconds: float, what: str) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        assert replicas() == count, f"expected {what}"
-        time.sleep(1)
+def scaled_to(count: int, timeout_s: float, what: str) -> None:
+    start = time.monotonic()
+    wait_for(lambda: (replicas(), get_health(timeout_s=10)["autoscaling"]), timeout_s, f"{what} (replicas, stats)",
+             until=lambda seen: seen[0] == count, interval_s=1, ignore=(requests.RequestException,))
+    print(f"{what}: {time.monotonic() - start:.0f} s", flush=True)
 
 
 def test_degraded_acceptance_adds_a_replica_and_recovered_acceptance_removes_it(serve_instance, tmp_path):
-    from ray import serve
-
-    from deploy.ray_app import build_app
-
-    prepare_target()
-    base = load_engine_config(REPO / "configs" / "embedded.yaml")
-    data = base.model_dump(exclude={"base_dir"})
-    data["draft"]["path"] = str(base.resolve(base.draft.path))
-    data["engine"].update(scheduler="full", max_num_seqs=4, draft_gate=False)  # drafts every round, whatever τ
-    data["runtime"].update(shard_cpus=0.3, drafter_cpus=0.3, shard_threads=1, drafter_threads=1)
-    data["serving"].update(load_aware_speculation=False, router_cpus=0.3, max_queued_requests=64, autoscaling={
-        "min_replicas": 1, "max_replicas": 2, "target_utilisation": 0.8, "hysteresis": 0.1, "drain_horizon_s": 10,
-        "downscale_cycles": 3, "metrics_interval_s": 1, "look_back_period_s": 5, "upscale_delay_s": 2,
-        "downscale_delay_s": 20})
-    path = tmp_path / "autoscale.yaml"
-    path.write_text(json.dumps(data))
-    serve.run(build_app({"config": str(path)}), name="dspark", route_prefix="/")
-    load = OpenLoop(rate=1.0)  # 48 tokens/s offered
-    try:
-        time.sleep(25)
-        assert replicas() == 1, "greedy acceptance: one replica has the capacity"
-        load.temperature = 1.5  # the drafter's proposals are now accepted far less often
-        waited = wait_for(lambda: replicas() == 2, 180, "a second replica")
-        print(f"scaled up {waited:.0f} s after acceptance fell")
-        hold(2, 30, "two replicas while acceptance stays low")
-        load.temperature = 0.0  # acceptance recovers at the same offered load
-        waited = wait_for(lambda: replicas() == 1, 420, "scale back to one replica")
-        print(f"scaled back {waited:.0f} s after acceptance recovered")
-        hold(1, 30, "one replica while acceptance stays high")  # no flapping back up
-    finally:
-        load.stop.set()
-        errors = load.errors
-        serve.delete("dspark")
+    autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_utilisation": 0.8, "hysteresis": 0.1,
+                   "drain_horizon_s": 10, "downscale_cycles": 3, "metrics_interval_s": 1, "look_back_period_s": 5,
+                   "upscale_delay_s": 2, "downscale_delay_s": 20}
+    with deploy_app(tmp_path,
+                    engine={"scheduler": "full", "max_num_seqs": SLOTS, "draft_gate": False},  # drafts whatever τ
+                    runtime={"shard_cpus": 0.3, "drafter_cpus": 0.3, "shard_threads": 1, "drafter_threads": 1},
+                    serving={"load_aware_speculation": False, "router_cpus": 0.3, "max_queued_requests": 64,
+                             "autoscaling": autoscaling}):
+        capacity = measured_capacity(12.0)
+        assert replicas() == 1, "half the batch, greedy: one replica"
+        load = OpenLoop(rate=LOAD * capacity / MAX_TOKENS)
+        print(f"offering {LOAD * capacity:.1f} tokens/s", flush=True)
+        try:
+            holds(replicas, 25, "one replica: at greedy acceptance it carries the load", until=lambda n: n == 1)
+            load.temperature = 1.5  # the drafter's proposals are now accepted far less often
+            scaled_to(2, 180, "a second replica after acceptance fell")
+            holds(replicas, 30, "two replicas while acceptance stays low", until=lambda n: n == 2)
+            load.temperature = 0.0  # acceptance recovers at the same offered load
+            scaled_to(1, 420, "back to one replica after acceptance recovered")
+            holds(replicas, 30, "one replica while acceptance stays high", until=lambda n: n == 1)  # no flapping
+        finally:
+            load.stop.set()
+            errors = load.errors
     assert errors == 0

@@ -16,35 +16,25 @@ import requests
 
 from dspark.config import SamplingParams
 from dspark.loader import build_engine, encode_prompt
-from dspark.prepare import prepare_target
-from dspark.schema import load_engine_config, write_variant
 from dspark.v1 import serving_pb2 as pb
 from dspark.v1 import serving_pb2_grpc
 
-from conftest import REPO, benchmark_prompts
+from conftest import GRPC, HTTP, benchmark_prompts, deploy_app, get_health, wait_for
 
 pytestmark = pytest.mark.slow
-HTTP = "http://127.0.0.1:8000"
-GRPC = "127.0.0.1:9000"
 MAX_CONCURRENT, MAX_QUEUED = 4, 2
 
 
 @pytest.fixture(scope="module")
 def app(serve_instance, tmp_path_factory):
     """The embedded default, one replica, no API key, speculation always on."""
-    from ray import serve
-
-    from deploy.ray_app import build_app
-
-    prepare_target()
-    path = write_variant(
-        load_engine_config(REPO / "configs" / "embedded.yaml"), tmp_path_factory.mktemp("faults") / "faults.yaml",
-        serving={"load_aware_speculation": False, "max_concurrent_requests": MAX_CONCURRENT,
-                 "max_queued_requests": MAX_QUEUED, "max_tokens_limit": 64, "api_key_env": "DSPARK_TEST_NO_KEY"},
-        engine={"max_num_seqs": MAX_CONCURRENT, "scheduler": "full"}, runtime={"drafter_timeout_s": 20})
-    serve.run(build_app({"config": str(path)}), name="dspark", route_prefix="/")
-    yield load_engine_config(path)
-    serve.delete("dspark")
+    with deploy_app(tmp_path_factory.mktemp("faults"),
+                    serving={"load_aware_speculation": False, "max_concurrent_requests": MAX_CONCURRENT,
+                             "max_queued_requests": MAX_QUEUED, "max_tokens_limit": 64,
+                             "api_key_env": "DSPARK_TEST_NO_KEY"},
+                    engine={"max_num_seqs": MAX_CONCURRENT, "scheduler": "full"},
+                    runtime={"drafter_timeout_s": 20}) as config:
+        yield config
 
 
 @pytest.fixture(scope="module")
@@ -73,16 +63,9 @@ def _chat(model, prompt, max_tokens, stream=False, **extra) -> dict:
 
 
 def _wait_healthy(timeout_s: float = 180.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            health = requests.get(f"{HTTP}/health", timeout=10)
-            if health.status_code == 200 and health.json()["in_flight"] == 0:
-                return health.json()
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise AssertionError("the replica did not come back")
+    return wait_for(lambda: get_health(timeout_s=10), timeout_s, "the replica back, healthy, nothing in flight",
+                    until=lambda health: health.get("in_flight") == 0, interval_s=1,
+                    ignore=(requests.RequestException,))
 
 
 def _loadtest_args(**overrides) -> argparse.Namespace:
@@ -108,7 +91,7 @@ def test_loadtest_measures_both_modes_in_one_run(app, tmp_path, transport):
         assert r["ttft_p50_s"] > 0 and r["throughput_tok_s"] > 0
     for concurrency in (1, 2):
         assert levels[(concurrency, "off")]["acceptance_length"] == 1.0  # plain decoding: one token per step
-        assert levels[(concurrency, "on")]["acceptance_length"] >= 1.0
+        assert levels[(concurrency, "on")]["acceptance_length"] > 1.0  # drafts accepted: fewer verify passes
     assert png.stat().st_size > 10_000
 
 
@@ -127,6 +110,7 @@ def test_killing_the_drafter_under_load_loses_nothing(app, model):
         [encode_prompt(engine.tokenizer, p, chat=True) for p in prompts], SamplingParams(max_tokens=48, temperature=0))]
     texts = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
     failures_before = _metric("spec_decode_drafter_failures_total")
+    drafted_before = _metric("spec_decode_num_drafted_tokens_total")
     results: dict[int, tuple[int, str]] = {}
 
     def call(index):
@@ -137,10 +121,9 @@ def test_killing_the_drafter_under_load_loses_nothing(app, model):
     threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 60
-    while requests.get(f"{HTTP}/health", timeout=10).json()["in_flight"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)
+    wait_for(lambda: (get_health()["in_flight"], _metric("spec_decode_num_drafted_tokens_total")), 60,
+             "requests in flight and the drafter drafting for them (in flight, drafted tokens)",
+             until=lambda seen: seen[0] > 0 and seen[1] > drafted_before)
     os.kill(_actor_pid("DraftWorker"), signal.SIGKILL)
     for thread in threads:
         thread.join(timeout=300)
@@ -153,6 +136,7 @@ def test_killing_the_drafter_under_load_loses_nothing(app, model):
 def test_killing_a_target_shard_fails_in_flight_requests_retryably_and_the_replica_recovers(app, model):
     prompt = "Write a long story about a lighthouse keeper and a storm."
     outcomes: dict[str, object] = {}
+    streaming: set[str] = set()  # the streams that have received a chunk: decoding has started
 
     def unary():
         response = requests.post(f"{HTTP}/v1/chat/completions", json=_chat(model, prompt, 64), timeout=300)
@@ -165,6 +149,7 @@ def test_killing_a_target_shard_fails_in_flight_requests_retryably_and_the_repli
             for line in response.iter_lines():
                 if line.startswith(b"data: ") and line != b"data: [DONE]":
                     chunks.append(json.loads(line[6:]))
+                    streaming.add("stream")
         outcomes["stream"] = chunks
 
     def grpc_stream():
@@ -172,8 +157,10 @@ def test_killing_a_target_shard_fails_in_flight_requests_retryably_and_the_repli
             stub = serving_pb2_grpc.DSparkStub(channel)
             request = pb.GenerateRequest(prompt=prompt, chat=True, max_tokens=64, temperature=0.0)
             try:
-                finish = [c.finish_reason for c in stub.GenerateStream(request, metadata=[("application", "dspark")],
-                                                                       timeout=300)]
+                finish = []
+                for chunk in stub.GenerateStream(request, metadata=[("application", "dspark")], timeout=300):
+                    finish.append(chunk.finish_reason)
+                    streaming.add("grpc")
                 outcomes["grpc"] = ("OK", finish)
             except grpc.RpcError as exc:
                 outcomes["grpc"] = (exc.code().name, exc.details())
@@ -181,10 +168,9 @@ def test_killing_a_target_shard_fails_in_flight_requests_retryably_and_the_repli
     threads = [threading.Thread(target=f) for f in (unary, stream, grpc_stream)]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 60
-    while requests.get(f"{HTTP}/health", timeout=10).json()["in_flight"] < 3 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)  # decoding has started
+    wait_for(lambda: (get_health()["in_flight"], sorted(streaming)), 60,
+             "all three requests in flight and both streams decoding (in flight, streams with a chunk)",
+             until=lambda seen: seen[0] >= 3 and seen[1] == ["grpc", "stream"])
     restarts_before = _metric("target_restarts_total")
     os.kill(_actor_pid("TargetShard"), signal.SIGKILL)
     for thread in threads:
@@ -197,15 +183,13 @@ def test_killing_a_target_shard_fails_in_flight_requests_retryably_and_the_repli
     assert not any(c.get("finish_reason") for chunk in outcomes["stream"][:-1] for c in chunk.get("choices", []))
     assert outcomes["grpc"][0] == "UNAVAILABLE"
     # the replica restarts its actors and serves again (clients retry on 503 / UNAVAILABLE)
-    deadline, status = time.monotonic() + 240, None
-    while time.monotonic() < deadline:
+    def hello() -> int:
         response = requests.post(f"{HTTP}/v1/chat/completions", json=_chat(model, "Say hello.", 8), timeout=120)
-        status = response.status_code
-        if status == 200:
-            break
-        assert status == 503 and int(response.headers["Retry-After"]) >= 1
-        time.sleep(int(response.headers["Retry-After"]))
-    assert status == 200
+        assert response.status_code == 200 or (
+            response.status_code == 503 and int(response.headers["Retry-After"]) >= 1), response.text
+        return response.status_code
+
+    wait_for(hello, 240, "the replica to serve again", until=lambda status: status == 200, interval_s=1)
     assert _metric("target_restarts_total") >= restarts_before + 1
     with grpc.insecure_channel(GRPC) as channel:
         out = serving_pb2_grpc.DSparkStub(channel).Generate(
@@ -250,7 +234,7 @@ def test_a_client_that_stops_reading_does_not_stall_others(app, model):
     slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # and never read
     try:
-        time.sleep(1.0)
+        wait_for(get_health, 30, "the slow client's request in flight", until=lambda health: health["in_flight"] >= 1)
         start = time.monotonic()
         for _ in range(2):
             response = requests.post(f"{HTTP}/v1/chat/completions", json=_chat(model, "Say hi.", 16), timeout=120)

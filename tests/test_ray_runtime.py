@@ -13,7 +13,7 @@ from dspark.loader import build_engine, encode_prompt
 from dspark.prepare import prepare_target
 from dspark.schema import EngineFileConfig, load_engine_config
 
-from conftest import REPO, benchmark_prompts
+from conftest import REPO, benchmark_prompts, wait_for
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 
@@ -136,10 +136,8 @@ def test_killing_the_drafter_mid_stream(ray_cluster, tiny_target_dir, tiny_draft
         outputs = [router.result(i).token_ids for i in ids]
         assert outputs == in_process_greedy[:8]
         assert router.metrics.drafter_failures == 1
-        while router.drafter_restarts == 0:
-            assert time.monotonic() < deadline, "the drafter was not restarted"
-            router.step()
-            time.sleep(0.05)
+        wait_for(lambda: router.step() is not None and router.drafter_restarts, max(deadline - time.monotonic(), 1),
+                 "the drafter to be restarted")  # each step polls the replacement actor
         drafts_before = router.metrics.num_drafts
         again = router.generate(tiny_prompts[8:10], GREEDY)
         assert [r.token_ids for r in again] == in_process_greedy[8:10]

@@ -7,53 +7,46 @@ import json
 import os
 import signal
 import threading
-import time
 
 import pytest
 import requests
 
 from dspark.config import SamplingParams
 from dspark.loader import build_engine, encode_prompt
-from dspark.prepare import prepare_target
-from dspark.schema import load_engine_config, write_variant
 
-from conftest import REPO, benchmark_prompts
+from conftest import HTTP, benchmark_prompts, deploy_app, wait_for
 
 pytestmark = pytest.mark.slow
-HTTP = "http://127.0.0.1:8000"
 MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
 def two_replicas(serve_instance, tmp_path_factory):
     """The embedded default as two fixed replicas, each with its own shard, drafter and router actors."""
-    from ray import serve
-
-    from deploy.ray_app import build_app
-
-    prepare_target()
-    path = write_variant(
-        load_engine_config(REPO / "configs" / "embedded.yaml"), tmp_path_factory.mktemp("isolation") / "two.yaml",
-        serving={"num_replicas": 2, "load_aware_speculation": False, "max_concurrent_requests": 4,
-                 "max_queued_requests": 8, "max_tokens_limit": 64, "api_key_env": "DSPARK_TEST_NO_KEY",
-                 "router_cpus": 0.3},
-        engine={"max_num_seqs": 4, "scheduler": "full"},
-        runtime={"shard_cpus": 0.3, "drafter_cpus": 0.3, "shard_threads": 1, "drafter_threads": 1})
-    serve.run(build_app({"config": str(path)}), name="dspark", route_prefix="/")
-    yield load_engine_config(path)
-    serve.delete("dspark")
+    with deploy_app(tmp_path_factory.mktemp("isolation"),
+                    serving={"num_replicas": 2, "load_aware_speculation": False, "max_concurrent_requests": 4,
+                             "max_queued_requests": 8, "max_tokens_limit": 64, "api_key_env": "DSPARK_TEST_NO_KEY",
+                             "router_cpus": 0.3},
+                    engine={"max_num_seqs": 4, "scheduler": "full"},
+                    runtime={"shard_cpus": 0.3, "drafter_cpus": 0.3, "shard_threads": 1,
+                             "drafter_threads": 1}) as config:
+        yield config
 
 
 def replica_health(count: int = 2, timeout_s: float = 120.0) -> dict[str, dict]:
     """Health of each replica (Serve routes each /health to one of them), keyed by replica id."""
-    seen, deadline = {}, time.monotonic() + timeout_s
-    while len(seen) < count:
-        assert time.monotonic() < deadline, f"saw only replicas {list(seen)}"
+    seen: dict[str, dict] = {}
+
+    def probe() -> list[str]:
         response = requests.get(f"{HTTP}/health", timeout=30)
         if response.status_code == 200:
             health = response.json()
             assert response.headers["x-dspark-replica"] == health["replica"]
             seen[health["replica"]] = health
+        return sorted(seen)
+
+    wait_for(probe, timeout_s, f"/health answered by {count} replicas (replicas seen)",
+             until=lambda ids: len(ids) >= count, interval_s=0.05)
     return seen
 
 
@@ -67,6 +60,7 @@ def test_a_shard_dying_on_one_replica_leaves_the_other_replicas_requests_untouch
     health = replica_health()
     model = two_replicas.name
     replica_of: dict[int, str] = {}
+    decoding: set[int] = set()  # requests that have streamed a token
     outcome: dict[int, tuple[str, str]] = {}  # index -> ("done", text) | ("error", code)
 
     def stream(index: int) -> None:
@@ -86,6 +80,7 @@ def test_a_shard_dying_on_one_replica_leaves_the_other_replicas_requests_untouch
                     break
                 choice = chunk["choices"][0]
                 text.append(choice["delta"].get("content") or "")
+                decoding.add(index)
                 if choice["finish_reason"]:
                     result = ("done", "".join(text))
         outcome[index] = result
@@ -93,13 +88,13 @@ def test_a_shard_dying_on_one_replica_leaves_the_other_replicas_requests_untouch
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 120
-    while len(replica_of) < len(prompts) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_for(lambda: len(replica_of), 120, f"all {len(prompts)} requests answered with headers",
+             until=lambda answered: answered == len(prompts))
     assert len(set(replica_of.values())) == 2, f"Serve sent every request to one replica: {replica_of}"
     hit = replica_of[0]
     (other,) = set(health) - {hit}
-    time.sleep(1.0)  # decoding has started on both
+    wait_for(lambda: sorted({replica_of[i] for i in decoding}), 120, "decoding started on both replicas",
+             until=lambda replicas: replicas == sorted(health))
     os.kill(health[hit]["actors"]["target_shards"][0], signal.SIGKILL)
     for thread in threads:
         thread.join(timeout=300)
@@ -113,12 +108,10 @@ def test_a_shard_dying_on_one_replica_leaves_the_other_replicas_requests_untouch
     assert all(outcome[i] in (("done", expected[i]), ("error", "unavailable")) for i in on_hit)
     assert any(outcome[i] == ("error", "unavailable") for i in on_hit)
     # both replicas serve again: the hit one restarted its actors in its own placement group
-    deadline = time.monotonic() + 240
-    while True:
-        after = replica_health(timeout_s=240)
+    def restarted(after: dict[str, dict]) -> bool:
         shards = after[hit]["actors"].get("target_shards")  # [] while the replica restarts its actors
-        if shards and shards != health[hit]["actors"]["target_shards"]:
-            break
-        assert time.monotonic() < deadline, "the hit replica did not restart its shard"
-        time.sleep(2)
+        return bool(shards) and shards != health[hit]["actors"]["target_shards"]
+
+    after = wait_for(lambda: replica_health(timeout_s=240), 240, "the hit replica to restart its shard",
+                     until=restarted, interval_s=2)
     assert after[other]["actors"] == health[other]["actors"]  # the other replica's actors were never touched
