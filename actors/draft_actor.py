@@ -18,6 +18,7 @@ import ray
 import torch
 
 from actors.collective import FeatureChannel, TransportCounters, device_placement, join_group, resolve_backend
+from actors.serialization import register_tensor_serializer
 from dspark.checkpoint import load_draft
 from dspark.draft_model import DraftProposal
 from dspark.drafter import DraftInputs, DSparkDrafter
@@ -45,6 +46,7 @@ class DraftCall:
 class DraftWorker:
     def __init__(self, config: EngineFileConfig):
         runtime = config.runtime
+        register_tensor_serializer()
         torch.set_num_threads(runtime.drafter_threads or os.cpu_count() or 1)  # Ray's default is 1 per CPU reserved
         use_gpu = runtime.drafter_gpus > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")

@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.collective import feature_source
 from actors.draft_actor import DraftWorker, RemoteDrafter
+from actors.serialization import register_tensor_serializer
 from actors.target_actor import RemoteTarget, TargetShard
 from dspark.checkpoint import draft_config_from_json
 from dspark.config import ConfigError
@@ -65,6 +66,7 @@ class Router(Engine):
         ``bundle_offset`` on (a Serve replica passes its own); None creates one for this router.
         ``auto`` dtypes are chosen here, on the node its placement group packs the actors on."""
         config, choices = config.with_concrete_dtypes(on_gpu=config.runtime.shard_gpus > 0)
+        register_tensor_serializer()  # the verify and draft calls' tensors travel as numpy arrays
         self.file_config, rt = config, config.runtime
         target_path = config.resolve(config.target.path)
         if not target_path.is_dir():
@@ -135,7 +137,7 @@ class Router(Engine):
                                    scheduling_strategy=self._bundle(rt.tp_size)).remote(self.file_config)
 
     def _env(self) -> dict:
-        return {"env_vars": {"OMP_WAIT_POLICY": self.file_config.runtime.omp_wait_policy.upper()}}
+        return {"env_vars": self.file_config.runtime.actor_env()}
 
     def _connect(self, actor) -> None:
         """Open a feature channel between the feature shard and a drafter actor."""

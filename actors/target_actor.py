@@ -25,6 +25,7 @@ from actors.collective import (
     join_group,
     resolve_backend,
 )
+from actors.serialization import register_tensor_serializer
 from dspark.config import DecoderConfig
 from dspark.kv_cache import AttentionMetadata, BlockAllocator
 from dspark.schema import EngineFileConfig
@@ -37,6 +38,7 @@ from dspark.target_runner import TargetRunner, VerifyBatch, VerifyOutput, to_dev
 class TargetShard:
     def __init__(self, config: EngineFileConfig, rank: int, feature_layers: tuple[int, ...]):
         runtime = config.runtime
+        register_tensor_serializer()
         torch.set_num_threads(runtime.shard_threads or os.cpu_count() or 1)  # Ray's default is 1 per CPU reserved
         self.config, self.rank, self.world = config, rank, runtime.tp_size
         self.feature_layers = feature_layers

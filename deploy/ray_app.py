@@ -60,7 +60,7 @@ def deployment_options(config: EngineFileConfig) -> dict:
         "name": "DSparkServer",
         **replicas,
         "ray_actor_options": {"num_cpus": serving.router_cpus,
-                              "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": runtime.omp_wait_policy.upper()}}},
+                              "runtime_env": {"env_vars": runtime.actor_env()}},
         "placement_group_bundles": [{"CPU": serving.router_cpus}, *replica_bundles(config)],
         "placement_group_strategy": runtime.placement_strategy,
         # the replica answers 429 itself past its bounds: let those requests reach it

@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -191,6 +192,9 @@ class DSparkServer:
             prepare_target()  # the embedded default converts itself on first start (no-op when cached)
         placement = get_current_placement_group()
         torch.set_num_threads(config.runtime.router_threads)  # the router only batches; actors compute
+        # The loop thread and the request handlers share the GIL; with CPython's default 5 ms switch interval a
+        # handler formatting a chunk can hold the next step back for up to 5 ms (per token at concurrency 1).
+        sys.setswitchinterval(0.0005)
         self.router = Router(config, placement=placement, bundle_offset=1 if placement else 0)
         self.tokenizer = self.router.tokenizer
         self.telemetry = ReplicaTelemetry(config.name)
