@@ -79,6 +79,15 @@ def make_engine(target, tokenizer, drafter=None, profile=FLAT_PROFILE, **overrid
     return Engine(target, tokenizer, drafter, cfg, feature_layers=layers, profile=profile)
 
 
+def embedded_exact() -> EngineFileConfig:
+    """configs/embedded.yaml in bf16: the batch-invariant mode, where speculative greedy output equals plain greedy
+    output bit for bit on any CPU (its ``auto`` dtype is fp32 on CPUs without native bf16, exact only up to
+    near-ties: ``benchmarks/near_ties.py``). Tests that compare outputs across execution shapes use this."""
+    cfg = load_engine_config(REPO / "configs" / "embedded.yaml")
+    return cfg.model_copy(update={part: getattr(cfg, part).model_copy(update={"dtype": "bfloat16"})
+                                  for part in ("target", "draft")})
+
+
 def free_port() -> int:
     import socket
 
@@ -152,12 +161,14 @@ def get_health(route_prefix: str = "/", timeout_s: float = 30) -> dict:
 def deploy_app(tmp_dir: Path, name: str = "dspark", route_prefix: str = "/",
                **sections: dict) -> Iterator[EngineFileConfig]:
     """configs/embedded.yaml with some sections updated (``serving={...}``, ...), deployed by deploy.ray_app as
-    the Serve application ``name`` (needs serve_instance); yields its config once /health answers, then deletes it."""
+    the Serve application ``name`` (needs serve_instance); yields its config once /health answers, then deletes it.
+    Target and draft run in bf16 (the exact mode, see ``embedded_exact``) unless a section says otherwise."""
     from ray import serve
 
     from deploy.ray_app import build_app
 
     prepare_target()
+    sections = sections | {part: {"dtype": "bfloat16", **sections.get(part, {})} for part in ("target", "draft")}
     path = write_variant(load_engine_config(REPO / "configs" / "embedded.yaml"), Path(tmp_dir) / f"{name}.yaml",
                          **sections)
     serve.run(build_app({"config": str(path)}), name=name, route_prefix=route_prefix)

@@ -16,7 +16,7 @@ from dspark.prepare import prepare_target, sanity_check
 from dspark.target_checkpoint import load_target
 from dspark.testing import tiny_draft_config
 
-from conftest import benchmark_prompts
+from conftest import benchmark_prompts, embedded_exact
 
 pytestmark = pytest.mark.slow
 
@@ -61,9 +61,8 @@ def test_profile_is_measured_at_start_up(smollm2):
 
 def test_shipped_draft_loads_and_is_lossless_on_the_embedded_default(smollm2):
     from dspark.loader import build_engine
-    from dspark.schema import load_engine_config
 
-    cfg = load_engine_config(Path(__file__).resolve().parents[1] / "configs" / "embedded.yaml")
+    cfg = embedded_exact()
     engine = build_engine(cfg.model_copy(update={"target": cfg.target.model_copy(update={"path": str(smollm2[0])})}))
     assert engine.drafter is not None and engine.block_size == 7
     draft_cfg = engine.drafter.model.config

@@ -9,11 +9,12 @@ import pytest
 from actors.collective import feature_source
 from actors.router import Router, replica_bundles
 from dspark.config import ConfigError, SamplingParams
+from dspark.dtype_choice import choose_dtype
 from dspark.loader import build_engine, encode_prompt
 from dspark.prepare import prepare_target
-from dspark.schema import EngineFileConfig, load_engine_config
+from dspark.schema import EngineFileConfig
 
-from conftest import REPO, benchmark_prompts, wait_for
+from conftest import benchmark_prompts, embedded_exact, wait_for
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 
@@ -105,6 +106,22 @@ def test_draft_gate_runs_on_the_ray_path(ray_cluster, tiny_target_dir, tiny_draf
         assert r.metrics.num_drafts > 0  # every request drafted (and probed again) before being held back
 
 
+def test_auto_dtype_is_chosen_by_the_router_and_reaches_its_actors(ray_cluster, tiny_target_dir, tiny_draft_dir,
+                                                                   tiny_prompts):
+    config = tiny_config(tiny_target_dir, tiny_draft_dir)
+    config = config.model_copy(update={part: getattr(config, part).model_copy(update={"dtype": "auto"})
+                                       for part in ("target", "draft")})
+    router = Router(config)
+    try:
+        expected = choose_dtype().dtype  # this machine's answer (the choice itself: tests/test_dtype_choice.py)
+        assert {part: d["dtype"] for part, d in router.dtypes.items()} == {"target": expected, "draft": expected}
+        assert router.file_config.target.dtype == router.file_config.draft.dtype == expected  # what the actors load
+        out = router.generate(tiny_prompts[:2], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert all(len(r.token_ids) == 8 for r in out) and router.metrics.num_drafts > 0
+    finally:
+        router.shutdown()
+
+
 def test_feature_source_avoids_the_drafters_gpu():
     # 8 shards on 8 GPUs with the drafter on GPU 0 (fractional): NCCL cannot pair ranks on one GPU
     shards = [f"node/gpu{i}" for i in range(8)]
@@ -159,7 +176,7 @@ def test_placement_and_config_errors(ray_cluster, tiny_target_dir, tiny_draft_di
 @pytest.mark.slow
 def test_embedded_default_ray_equals_in_process(ray_cluster):
     prepare_target()
-    config = load_engine_config(REPO / "configs" / "embedded.yaml")
+    config = embedded_exact()
     engine = build_engine(config)
     texts = [t for name in ("humaneval", "mbpp", "gsm8k", "mt-bench") for t in benchmark_prompts(name, 5)]
     prompts = [encode_prompt(engine.tokenizer, t, chat=True) for t in texts]

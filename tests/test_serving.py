@@ -283,6 +283,7 @@ def test_overload_gets_429_with_retry_after(served):
 def test_cancelled_streams_free_the_kv_cache(served):
     headers = {"Authorization": f"Bearer {KEY}"}
     start = get_health()
+    assert start["dtypes"] == {part: {"dtype": "bfloat16", "reason": "configured"} for part in ("target", "draft")}
     assert start["in_flight"] == 0
     body = {"model": MODEL, "prompt": "Tell me a long story about a dragon.", "max_tokens": 64, "stream": True}
     for _ in range(50):
