@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint prepare proto bench-ray report soak k8s-validate sizing image-gpu image-cpu clean
+.PHONY: install serve test lint prepare proto bench-ray bench-served report soak k8s-validate sizing image-gpu image-cpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ proto: $(STAMP)
 bench-ray: prepare
 	RAY_AUTH_MODE=disabled $(BIN)/python -m benchmarks.transport
 	RAY_AUTH_MODE=disabled $(BIN)/python -m benchmarks.ray_runtime --out ray_runtime.json --plot ray_runtime.png
+
+# The served path (HTTP, concurrency 1) against the in-process engine, speculation on and off, in one run.
+bench-served: prepare
+	RAY_AUTH_MODE=disabled $(BIN)/python -m benchmarks.served_path --out docs/figures/served_path.json --plot docs/figures/served_path.png
 
 # docs/performance.md and docs/figures/: acceptance, peers, load sweep (speculation on/off), soak (~30 min on 2 cores).
 report: prepare

@@ -155,6 +155,20 @@ def reused(out: Path, bench_results: dict, skip: str) -> str:
     return text + "."
 
 
+def served_section(out: Path) -> list[str]:
+    """The served path against the in-process engine (``make bench-served`` writes served_path.json)."""
+    path = out / "served_path.json"
+    if not path.exists():
+        return []
+    r = json.loads(path.read_text())
+    dtype = r["in_process"]["on"]["dtypes"]["target"]
+    return ["## The served path against the in-process engine", "",
+            f"`python -m benchmarks.served_path` ({r['prompts']} prompts x {r['max_tokens']} tokens, greedy, "
+            f"concurrency 1, {dtype['dtype']}: {dtype['reason']}; {r['machine']}): `dspark bench`'s loop in process, "
+            "then `serve run` of the same config driven over HTTP by `dspark loadtest`.", "", r["markdown"], "",
+            "![served vs in-process](figures/served_path.png)", ""]
+
+
 def render(out: Path, bench_results: dict, peers: dict, load_results: dict, args) -> str:
     from benchmarks.peers import table as peers_table
     from dspark.bench import markdown_table
@@ -185,6 +199,7 @@ def render(out: Path, bench_results: dict, peers: dict, load_results: dict, args
                   f"![per-position acceptance]({rel}/acceptance-{label}.png)", ""]
     lines += ["## Peers on the same target", "",
               "Greedy, batch 1, the same prompts (`python -m benchmarks.peers`):", "", peers_table(peers), ""]
+    lines += served_section(out)
     lines += ["## Under load: `dspark loadtest` (HTTP streaming, mt-bench prompts)", "",
               "Each level runs the same requests with speculation on and off (the `speculation: false` request "
               "extension) against the same server in the same run. *always*: speculation on for every request; "

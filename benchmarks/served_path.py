@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
               "in_process": in_process(config, texts, args.max_tokens),
               "served": served(Path(args.config), work, prompts_file, len(texts), args.max_tokens)}
     result["markdown"] = table(result)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     plot(result, Path(args.plot))
     print(result["markdown"])
