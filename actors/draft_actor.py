@@ -74,12 +74,18 @@ class DraftWorker:
         return self.drafter.round_seconds()
 
     def propose(self, call: DraftCall) -> tuple[DraftProposal, dict[str, float]]:
+        started = {rid for rid, _, _ in call.started}
+        released = [rid for rid in call.released if rid not in started]  # free first: the cache may be full
+        for rid in released:
+            self.drafter.release_sequence(rid)
+            self.generators.pop(rid, None)
         for rid, reservation, seed in call.started:
             self.drafter.start_sequence(rid, reservation)
             self.generators[rid] = torch.Generator().manual_seed(seed)
         for rid in call.released:
-            self.drafter.release_sequence(rid)
-            self.generators.pop(rid, None)
+            if rid in started:  # finished before its first draft call
+                self.drafter.release_sequence(rid)
+                self.generators.pop(rid, None)
         recv_start = time.perf_counter()
         for ids, kept in call.ingest:
             rows = self.channel.recv()

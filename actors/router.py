@@ -65,7 +65,7 @@ class Router(Engine):
         """``placement``: a ready placement group holding ``replica_bundles(config)`` from bundle
         ``bundle_offset`` on (a Serve replica passes its own); None creates one for this router.
         ``auto`` dtypes are chosen here, on the node its placement group packs the actors on."""
-        config, choices = config.with_concrete_dtypes(on_gpu=config.runtime.shard_gpus > 0)
+        config, choices = config.with_concrete_dtypes(config.runtime.shard_gpus > 0, config.runtime.drafter_gpus > 0)
         register_tensor_serializer()  # the verify and draft calls' tensors travel as numpy arrays
         self.file_config, rt = config, config.runtime
         target_path = config.resolve(config.target.path)

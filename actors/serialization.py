@@ -24,11 +24,14 @@ _registered = False
 
 
 def _serialize(tensor: torch.Tensor):
-    if tensor.layout != torch.strided or tensor.device.type != "cpu" or tensor.requires_grad:
-        return ("torch", pickle.dumps(tensor))  # torch's own reducer (Ray's pickler would come back here)
-    dtype = tensor.dtype
-    array = tensor.contiguous().view(_BITS[dtype]).numpy() if dtype in _BITS else tensor.contiguous().numpy()
-    return ("numpy", array, str(dtype).removeprefix("torch."))
+    if tensor.layout == torch.strided and tensor.device.type == "cpu" and not tensor.requires_grad:
+        dtype = tensor.dtype
+        try:
+            array = tensor.contiguous().view(_BITS[dtype]).numpy() if dtype in _BITS else tensor.contiguous().numpy()
+            return ("numpy", array, str(dtype).removeprefix("torch."))
+        except (TypeError, RuntimeError):  # a dtype numpy cannot hold (fp8, quantised, complex32)
+            pass
+    return ("torch", pickle.dumps(tensor))  # torch's own reducer (Ray's pickler would come back here)
 
 
 def _deserialize(value) -> torch.Tensor:

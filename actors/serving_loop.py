@@ -79,6 +79,8 @@ class ServingLoop:
         self._wake = threading.Event()
         self._stop = False
         self.step_errors = 0
+        self.telemetry_interval_s = 0.25
+        self._telemetry_at, self._telemetry_due = 0.0, False
         self.recovering = False  # the target is being restarted: new requests get Unavailable at once
         self._broken: Exception | None = None  # recovery failed: the health check reports it
         self._thread = threading.Thread(target=self._run, name="dspark-serving-loop", daemon=True)
@@ -198,6 +200,16 @@ class ServingLoop:
             self._window.popleft()  # keep one sample at or before the window's start
         if self.switch is not None:
             self.switch.update()
+        self._telemetry_due = True
+        if now - self._telemetry_at >= self.telemetry_interval_s or not engine.has_unfinished():
+            self._record_telemetry(now)
+
+    def _record_telemetry(self, now: float) -> None:
+        """Engine counters and gauges into the exporters: every ``telemetry_interval_s`` while decoding and once
+        when the loop goes idle, not after every step (some twenty metric updates: about a millisecond per
+        step on the decode loop's critical path)."""
+        engine, m = self.engine, self.engine.metrics
+        self._telemetry_at, self._telemetry_due = now, False
         if self.telemetry is not None:
             tel = self.telemetry
             tel.record_engine(m)
@@ -233,6 +245,8 @@ class ServingLoop:
             with self._lock:
                 idle = not (self._submissions or self._cancels)
             if idle and not self.engine.has_unfinished():
+                if self._telemetry_due:
+                    self._record_telemetry(time.monotonic())
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -244,6 +258,7 @@ class ServingLoop:
                 self._after_step()
             except Exception as exc:  # the target (or its actors) failed: fail in-flight requests, retryable
                 self.step_errors += 1
+                self._telemetry_due = True
                 log.exception("engine step failed; failing %d in-flight requests", len(self.engine.requests))
                 self._fail_all(Unavailable(f"replica failed during decoding ({type(exc).__name__}); retry"))
                 self._recover()
@@ -255,6 +270,8 @@ class ServingLoop:
                                                      metrics=request.metrics), final=True)
                 elif out.new_token_ids:
                     self._emit(out.request_id, Event("tokens", out.new_token_ids))
+        if self._telemetry_due:  # closing: what the last steps counted still reaches the exporters
+            self._record_telemetry(time.monotonic())
 
     def _recover(self) -> None:
         """Restart the target (and drafter) actors; meanwhile submissions are refused as retryable."""

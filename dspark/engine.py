@@ -163,9 +163,10 @@ class Engine:
         speculative = [r for r in decode if r.speculative and drafting_on]
         drafts = self._drafts_for(speculative)
         held = [r for d in drafts if d.handle is None for r in d.requests if r.status == Status.RUNNING]
-        plain = prefill + [r for r in decode if not (r.speculative and drafting_on)] + held
-        if plain:  # prefills, plain decoding and rows the gate held back: one pass (features still reach the drafter)
-            self._run_round(_Round(plain, None, torch.zeros(len(plain), dtype=torch.long)))
+        plain = [r for r in decode if not (r.speculative and drafting_on)] + held
+        for group in (prefill, plain):  # prompts in a pass of their own (decode rows are not padded to a prompt);
+            if group:                   # plain decoding and rows the gate held back: one pass (features still flow)
+                self._run_round(_Round(group, None, torch.zeros(len(group), dtype=torch.long)))
         for draft in drafts:
             if draft.handle is not None:
                 self._verify_draft(draft)

@@ -40,7 +40,7 @@ def build_drafter(cfg: EngineFileConfig, target: TargetModel, engine_cfg: Engine
 
 def build_engine(cfg: EngineFileConfig, speculate: bool | None = None) -> Engine:
     """An in-process engine on this machine's CPU (``auto`` dtypes chosen here; ``engine.dtypes`` says how)."""
-    cfg, choices = cfg.with_concrete_dtypes(on_gpu=False)
+    cfg, choices = cfg.with_concrete_dtypes()
     for part, choice in choices.items():
         log.info("%s dtype %s (%s)", part, choice.dtype, choice.reason)
     target_path = cfg.resolve(cfg.target.path)

@@ -199,11 +199,13 @@ class EngineFileConfig(_Strict):
         expanded = Path(os.path.expanduser(path))
         return expanded if expanded.is_absolute() else Path(self.base_dir or ".") / expanded
 
-    def with_concrete_dtypes(self, on_gpu: bool = False, flags: set[str] | None = None
-                             ) -> tuple[EngineFileConfig, dict[str, DtypeChoice]]:
-        """This config with ``auto`` dtypes chosen for the machine it runs on, and each choice with its reason
-        (``flags``: the CPU's feature flags, for tests; default: this machine's)."""
-        choices = {part: resolve_dtype(getattr(self, part).dtype, on_gpu, flags) for part in ("target", "draft")}
+    def with_concrete_dtypes(self, target_on_gpu: bool = False, draft_on_gpu: bool | None = None,
+                             flags: set[str] | None = None) -> tuple[EngineFileConfig, dict[str, DtypeChoice]]:
+        """This config with ``auto`` dtypes chosen for where each part runs (the draft: where the target runs
+        unless said), and each choice with its reason (``flags``: the CPU's feature flags, for tests; default:
+        this machine's)."""
+        on_gpu = {"target": target_on_gpu, "draft": target_on_gpu if draft_on_gpu is None else draft_on_gpu}
+        choices = {part: resolve_dtype(getattr(self, part).dtype, on_gpu[part], flags) for part in on_gpu}
         update = {part: getattr(self, part).model_copy(update={"dtype": c.dtype}) for part, c in choices.items()}
         return self.model_copy(update=update), choices
 
