@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from dspark.config import MAX_SEED, MAX_STOPS, MAX_TEMPERATURE, MAX_TOP_K
 from dspark.metrics import SpecMetrics
 
 
@@ -20,11 +21,11 @@ class _Request(BaseModel):
     model: str = Field(description="Model name, as listed by GET /v1/models.")
     max_tokens: int | None = Field(None, ge=1, description="Maximum new tokens (default: the server's).")
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (newer clients).")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: off). Extension.")
-    stop: str | list[str] | None = Field(None, description="Up to 8 stop strings.")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Seed of the request's random generator.")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="Keep the k most likely tokens (0: off). Extension.")
+    stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOPS} stop strings.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed of the request's random generator.")
     stream: bool = Field(False, description="Stream server-sent events.")
     stream_options: dict[str, bool] | None = Field(None, description="{'include_usage': true} adds a usage chunk.")
     speculation: bool = Field(True, description="Extension: false decodes this request without drafting (plain "
@@ -39,8 +40,8 @@ class _Request(BaseModel):
     @classmethod
     def _stops(cls, value):
         stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 8:
-            raise ValueError("at most 8 stop strings")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         return stops

@@ -287,6 +287,14 @@ class DraftConfig:
         return len(self.target_layer_ids)
 
 
+# One set of bounds for every front door (HTTP, gRPC, CLI; dspark/schema.py and deploy/openai_protocol.py use these)
+MAX_TEMPERATURE = 2.0  # OpenAI's
+GREEDY_BELOW = 1e-5  # a temperature this small is greedy decoding (dividing logits by it would overflow)
+MAX_TOP_K = 1 << 20  # above any vocabulary; larger values are refused, not silently overflowed
+MAX_SEED = 2**63 - 1  # the drafter's generator is seeded with seed + 1, which must fit a uint64
+MAX_STOPS = 8
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling and stopping parameters (validated, immutable)."""
@@ -302,16 +310,20 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ConfigError("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ConfigError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ConfigError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ConfigError("top_k", f"must be >= 0 (0 disables), got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ConfigError("top_k", f"must be in [0, {MAX_TOP_K}] (0 disables), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError("seed", f"must be in [0, {MAX_SEED}], got {self.seed}")
+        if len(self.stop) > MAX_STOPS or any(not s for s in self.stop):
+            raise ConfigError("stop", f"at most {MAX_STOPS} non-empty stop strings")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)

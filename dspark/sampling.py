@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.config import SamplingParams
+from dspark.config import GREEDY_BELOW, SamplingParams
 
 
 @dataclass
@@ -35,7 +35,7 @@ class SamplingTensors:
 
     @property
     def greedy(self) -> torch.Tensor:  # [B] bool
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def repeat(self, n: int) -> SamplingTensors:
         """Each row repeated n times (row b -> rows b*n .. b*n+n-1), for per-position processing."""

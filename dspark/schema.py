@@ -14,9 +14,18 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dspark.config import ConfigError, EngineConfig, SamplingParams
+from dspark.config import (
+    GREEDY_BELOW,
+    MAX_SEED,
+    MAX_STOPS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    ConfigError,
+    EngineConfig,
+    SamplingParams,
+)
 from dspark.dtype_choice import DtypeChoice, resolve_dtype
 
 
@@ -214,11 +223,19 @@ class SamplingSpec(_Strict):
     """Sampling parameters of one request."""
 
     max_tokens: int = Field(128, ge=1, description="Maximum new tokens.")
-    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 is greedy decoding.")
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, description=f"0 (or below {GREEDY_BELOW:g}) is "
+                                                                            "greedy decoding.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass, in (0, 1].")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: off).")
-    seed: int | None = Field(None, ge=0, description="Seed of the request's own random generator.")
-    stop: list[str] = Field(default_factory=list, max_length=8, description="Stop strings.")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="Keep the k most likely tokens (0: off).")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed of the request's own random generator.")
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS, description="Stop strings (non-empty).")
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stops: list[str]) -> list[str]:
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
 
     def to_core(self) -> SamplingParams:
         return SamplingParams(

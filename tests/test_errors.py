@@ -26,6 +26,12 @@ from conftest import REPO, make_engine
     ({"temperature": -1}, "temperature"),
     ({"top_k": -1}, "top_k"),
     ({"nucleus": 0.9}, "nucleus"),
+    # the bounds every front door shares (issue 19: these restarted a replica or the drafter)
+    ({"top_k": 2**63}, "top_k"),
+    ({"seed": 2**64 - 1}, "seed"),
+    ({"temperature": 50.0}, "temperature"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": ["a"] * 9}, "stop"),
 ])
 def test_bad_sampling_values_name_the_field(values, field):
     with pytest.raises(ConfigError) as info:
@@ -36,6 +42,20 @@ def test_bad_sampling_values_name_the_field(values, field):
 def test_core_dataclass_refuses_bad_values_too():
     with pytest.raises(ConfigError, match="top_p"):
         SamplingParams(top_p=0)
+    for field, value in (("top_k", 2**63), ("seed", 2**63), ("temperature", 2.5), ("stop", ("",))):
+        with pytest.raises(ConfigError) as info:
+            SamplingParams(**{field: value})
+        assert info.value.field == field
+
+
+def test_a_vanishing_temperature_decodes_greedily(tiny_target, tiny_tokenizer):
+    """Logits divided by 1e-38 overflow; below GREEDY_BELOW a request is greedy (it sampled token 0 before)."""
+    engine = make_engine(tiny_target, tiny_tokenizer)
+    prompt = tiny_tokenizer.encode("def fibonacci(n):")
+    greedy, tiny = (engine.generate([prompt], SamplingParams(max_tokens=12, temperature=t, ignore_eos=True))[0]
+                    for t in (0.0, 1e-38))
+    assert SamplingParams(temperature=1e-38).greedy and not SamplingParams(temperature=1e-3).greedy
+    assert tiny.token_ids == greedy.token_ids and len(set(greedy.token_ids)) > 1
 
 
 def write_config(tmp_path: Path, text: str) -> Path:

@@ -204,6 +204,11 @@ def test_grpc_bad_input_is_invalid_argument(stub):
     for request in (pb.GenerateRequest(prompt="", max_tokens=4),
                     pb.GenerateRequest(prompt="hi", max_tokens=1000),
                     pb.GenerateRequest(prompt="hi", max_tokens=4, temperature=-1.0),
+                    # the bounds HTTP has (these restarted the drafter or the replica before)
+                    pb.GenerateRequest(prompt="hi", max_tokens=4, temperature=50.0),
+                    pb.GenerateRequest(prompt="hi", max_tokens=4, seed=2**64 - 1),
+                    pb.GenerateRequest(prompt="hi", max_tokens=4, top_k=2**32 - 1),
+                    pb.GenerateRequest(prompt="hi", max_tokens=4, stop=[""]),
                     pb.GenerateRequest(prompt_token_ids=[1, 2, 10**9], max_tokens=4)):
         with pytest.raises(grpc.RpcError) as err:
             dspark.Generate(request, metadata=AUTH, timeout=60)
@@ -233,6 +238,9 @@ def test_authentication_on_both_protocols(served, stub):
     ({"model": MODEL, "prompt": "Hi", "max_tokens": 65}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "Hi", "temperature": 5}, 400, "temperature"),
     ({"model": MODEL, "prompt": "Hi", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "Hi", "top_k": 2**63}, 400, "top_k"),
+    ({"model": MODEL, "prompt": "Hi", "seed": 2**64 - 1}, 400, "seed"),
+    ({"model": MODEL, "prompt": "Hi", "stop": [""]}, 400, "stop"),
     ({"model": MODEL, "prompt": "Hi", "n": 2}, 400, "n"),
     ({"model": MODEL, "prompt": "Hi", "logprobs": True}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "Hi", "unknown_field": 1}, 400, "unknown_field"),
