@@ -93,9 +93,6 @@ class DraftWorker:
                 raise RuntimeError(f"feature message of {rows.shape[0]} rows, expected {sum(kept)}")
             self.drafter.commit(ids, kept, rows)
         timing = {"recv_s": time.perf_counter() - recv_start}
-        if not call.inputs.request_ids:
-            empty = torch.zeros(0, self.drafter.block_size)
-            return DraftProposal(empty.long(), None, empty), timing
         sampling = SamplingTensors(call.temperature, call.top_p, call.top_k,
                                    [self.generators[i] for i in call.inputs.request_ids])
         start = time.perf_counter()
