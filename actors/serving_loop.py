@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
+import ray
+
+from actors.admission import Admission, AdmissionLimits, Overloaded
 from actors.speculation_switch import SpeculationSwitch
 from actors.telemetry import ReplicaTelemetry
 from actors.tracing import RequestTracer
@@ -28,16 +32,26 @@ from dspark.metrics import SpecMetrics
 log = logging.getLogger(__name__)
 
 
-class Overloaded(Exception):
-    """The replica is at its concurrency and queue bounds; retry after ``retry_after_s``."""
-
-    def __init__(self, retry_after_s: float):
-        super().__init__(f"server busy, retry after {retry_after_s:g} s")
-        self.retry_after_s = retry_after_s
+__all__ = ["DeadlineExceeded", "Event", "InternalError", "Overloaded", "ServingLoop", "Unavailable"]
 
 
 class Unavailable(Exception):
     """The replica cannot serve this request now (its target failed); safe to retry."""
+
+
+class DeadlineExceeded(Exception):
+    """The request ran past its deadline and was aborted."""
+
+
+class InternalError(Exception):
+    """A step failed for a reason other than an actor failure (a server bug); the request was aborted."""
+
+
+def is_actor_failure(exc: BaseException) -> bool:
+    """A dead or unreachable actor, or a call past its deadline (a hung actor). A ``RayTaskError`` (the actor's
+    method raised, the actor lives on) is not one."""
+    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
+                            ray.exceptions.ObjectLostError, ray.exceptions.ActorUnavailableError))
 
 
 @dataclass
@@ -55,15 +69,30 @@ class Event:
 @dataclass
 class _Timing:
     submitted: float
+    deadline: float
+    prompt_tokens: int
+    max_tokens: int
     last: float = 0.0  # last token delivery (0: none yet)
-    remaining: int = 0  # tokens still owed (for autoscaling demand)
+    delivered: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - self.delivered
 
 
 class ServingLoop:
     def __init__(self, engine: Engine, max_running: int, max_queued: int,
                  telemetry: ReplicaTelemetry | None = None, switch: SpeculationSwitch | None = None,
-                 tracer: RequestTracer | None = None, window_s: float = 10.0):
+                 tracer: RequestTracer | None = None, window_s: float = 10.0, max_queued_tokens: int | None = None,
+                 request_timeout_s: float = 600.0):
+        """``max_queued_tokens``: reserved tokens (prompt + max_tokens) admitted past the KV cache (default: one
+        KV cache's worth); ``request_timeout_s``: each request's deadline from submission."""
         self.engine, self.telemetry, self.switch, self.tracer = engine, telemetry, switch, tracer
+        alloc = engine.allocator
+        kv_tokens = alloc.usable_blocks * alloc.block_size
+        self.admission = Admission(AdmissionLimits(
+            max_running + max_queued, kv_tokens, kv_tokens if max_queued_tokens is None else max_queued_tokens,
+            request_timeout_s))
         if tracer is not None:
             engine.on_phase = tracer.phase
         self.window_s = window_s
@@ -82,7 +111,13 @@ class ServingLoop:
         self.telemetry_interval_s = 0.25
         self._telemetry_at, self._telemetry_due = 0.0, False
         self.recovering = False  # the target is being restarted: new requests get Unavailable at once
-        self._broken: Exception | None = None  # recovery failed: the health check reports it
+        self._broken: BaseException | None = None  # recovery failed or the thread died: the health check reports it
+        self.target_restarts = 0
+        self.internal_errors = 0
+        self.deadlines_exceeded = 0
+        self._step_started: float | None = None  # monotonic start of the step in progress (None: between steps)
+        self._snapshot: dict = {}
+        self._publish()
         self._thread = threading.Thread(target=self._run, name="dspark-serving-loop", daemon=True)
         self._thread.start()
 
@@ -93,21 +128,49 @@ class ServingLoop:
         return self._thread.is_alive() and self._broken is None
 
     @property
+    def state(self) -> str:
+        """``ok``, ``recovering`` (restarting its actors), ``stalled`` (a step ran past twice the target's
+        deadline: the deadline itself did not act) or ``broken`` (the loop is gone: the replica must be replaced)."""
+        if not self.alive:
+            return "broken"
+        if self.recovering:
+            return "recovering"
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.stall_after_s:
+            return "stalled"
+        return "ok"
+
+    @property
+    def stall_after_s(self) -> float:
+        timeout = getattr(getattr(self.engine, "target", None), "timeout_s", None)
+        return 2 * timeout + 10 if timeout else math.inf
+
+    @property
     def in_flight(self) -> int:
         return len(self._streams)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams,
-               speculate: bool = True) -> tuple[int, asyncio.Queue]:
+    def snapshot(self) -> dict:
+        """The loop's counters as of its last step boundary (safe to read from any thread)."""
+        return self._snapshot
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True,
+               timeout_s: float | None = None) -> tuple[int, asyncio.Queue]:
+        """Admit a request (or raise ``Overloaded`` / ``Unavailable`` at once); ``timeout_s``: the client's own
+        deadline, if sooner than the server's."""
+        if not self.alive:
+            raise Unavailable("replica's serving loop stopped; retry (the replica is being replaced)")
         if self.recovering:
             raise Unavailable("replica is restarting its target after a failure; retry")
+        now = time.monotonic()
+        limit = self.admission.limits.request_timeout_s
+        deadline = now + (limit if timeout_s is None else min(timeout_s, limit))
         with self._lock:
-            if len(self._streams) >= self.max_running + self.max_queued:
-                raise Overloaded(retry_after_s=1.0)
+            self.admission.admit(len(prompt_ids), params.max_tokens)
             request_id = next(self._ids)
             queue: asyncio.Queue = asyncio.Queue()
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
             self._submissions.append((request_id, prompt_ids, params, speculate))
-            self._timing[request_id] = _Timing(time.monotonic(), remaining=params.max_tokens)
+            self._timing[request_id] = _Timing(now, deadline, len(prompt_ids), params.max_tokens)
         self._wake.set()
         return request_id, queue
 
@@ -127,6 +190,8 @@ class ServingLoop:
         self._observe(request_id, event, final)
         with self._lock:
             stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+            if final:
+                self._release(request_id)
         if stream is not None:
             loop, queue = stream
             loop.call_soon_threadsafe(queue.put_nowait, event)
@@ -139,7 +204,7 @@ class ServingLoop:
                 self.engine.requests.pop(request_id)
             with self._lock:
                 self._streams.pop(request_id, None)
-                self._timing.pop(request_id, None)
+                self._release(request_id)
             if self.tracer is not None:
                 self.tracer.finish(request_id, "cancelled")
             if self.telemetry is not None:
@@ -157,21 +222,29 @@ class ServingLoop:
                 continue
             self._emit(request_id, Event("accepted", [], prompt_tokens=len(prompt_ids)))
 
+    def _release(self, request_id: int) -> None:
+        """The request left the replica (under the lock): its admission counts are given back."""
+        timing = self._timing.pop(request_id, None)
+        if timing is not None:
+            self.admission.release(timing.prompt_tokens, timing.max_tokens, timing.delivered)
+
     def _observe(self, request_id: int, event: Event, final: bool) -> None:
         """Per-request latencies and outcomes (time to first token, inter-token latency, e2e)."""
-        timing = self._timing.pop(request_id, None) if final else self._timing.get(request_id)
+        timing = self._timing.get(request_id)
         if timing is None:
             return
         now, tel = time.monotonic(), self.telemetry
         if self.tracer is not None:
             if event.kind == "accepted":
-                self.tracer.start(request_id, event.prompt_tokens, timing.remaining)
+                self.tracer.start(request_id, event.prompt_tokens, timing.max_tokens)
             elif final:
                 m = event.metrics
                 self.tracer.finish(request_id, event.finish_reason or event.kind,
                                    m.completion_tokens if m else 0, m.verify_steps if m else 0)
         if event.token_ids:
-            timing.remaining -= len(event.token_ids)
+            with self._lock:
+                timing.delivered += len(event.token_ids)
+                self.admission.progress(len(event.token_ids))
             if tel is not None:
                 if not timing.last:
                     tel.observe("time_to_first_token_seconds", now - timing.submitted)
@@ -198,6 +271,9 @@ class ServingLoop:
         self._window.append((now, m.completion_tokens, m.verify_steps, engine.num_steps, engine.timings["step"]))
         while len(self._window) > 1 and self._window[1][0] < now - self.window_s:
             self._window.popleft()  # keep one sample at or before the window's start
+        (_, tok0, _, _, sec0), (_, tok1, _, _, sec1) = self._window[0], self._window[-1]
+        if sec1 - sec0 > 1.0:  # decode throughput while stepping (what admission's time bound divides by)
+            self.admission.rate = (tok1 - tok0) / (sec1 - sec0)
         if self.switch is not None:
             self.switch.update()
         self._telemetry_due = True
@@ -241,28 +317,38 @@ class ServingLoop:
                 "outstanding_tokens": outstanding, "token_rate": rate}
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # a bug outside a step: the replica cannot serve; its health check says so
+            self._broken = exc
+            log.exception("the serving loop died; failing every request and reporting the replica unhealthy")
+            self._fail_everything(Unavailable("replica's serving loop stopped; retry"))
+            raise
+
+    def _serve(self) -> None:
         while not self._stop:
             with self._lock:
                 idle = not (self._submissions or self._cancels)
             if idle and not self.engine.has_unfinished():
                 if self._telemetry_due:
                     self._record_telemetry(time.monotonic())
+                self._publish()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
             self._drain()
+            self._expire()
             if not self.engine.has_unfinished():
                 continue
+            self._step_started = time.monotonic()
             try:
                 outputs = self.engine.step()
                 self._after_step()
-            except Exception as exc:  # the target (or its actors) failed: fail in-flight requests, retryable
-                self.step_errors += 1
-                self._telemetry_due = True
-                log.exception("engine step failed; failing %d in-flight requests", len(self.engine.requests))
-                self._fail_all(Unavailable(f"replica failed during decoding ({type(exc).__name__}); retry"))
-                self._recover()
+            except Exception as exc:
+                self._on_step_failure(exc)
                 continue
+            finally:
+                self._step_started = None
             for out in outputs:
                 if out.finished:
                     request = self.engine.requests.pop(out.request_id)
@@ -270,8 +356,55 @@ class ServingLoop:
                                                      metrics=request.metrics), final=True)
                 elif out.new_token_ids:
                     self._emit(out.request_id, Event("tokens", out.new_token_ids))
+            self._publish()
         if self._telemetry_due:  # closing: what the last steps counted still reaches the exporters
             self._record_telemetry(time.monotonic())
+
+    def _on_step_failure(self, exc: Exception) -> None:
+        self.step_errors += 1
+        self._telemetry_due = True
+        if is_actor_failure(exc):  # a dead or hung actor: fail in-flight requests as retryable, restart the actors
+            log.error("engine step failed (%s: %s); failing %d in-flight requests and restarting the actors",
+                      type(exc).__name__, exc, len(self.engine.requests))
+            self._fail_all(Unavailable(f"replica failed during decoding ({type(exc).__name__}); retry"))
+            self._recover()
+        else:  # a bug: the actors are fine; the requests of this step cannot be trusted
+            self.internal_errors += 1
+            log.exception("engine step failed; failing %d in-flight requests", len(self.engine.requests))
+            self._fail_all(InternalError(f"internal error during decoding ({type(exc).__name__})"))
+            self.engine.reset_transient_state()
+        self._publish()
+
+    def _expire(self) -> None:
+        """Abort requests past their deadline (queued or decoding)."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [rid for rid, timing in self._timing.items() if timing.deadline < now]
+        for request_id in expired:
+            self.deadlines_exceeded += 1
+            self.engine.abort(request_id)
+            self.engine.requests.pop(request_id, None)
+            self._emit(request_id, Event("error", [], error=DeadlineExceeded("request deadline exceeded")),
+                       final=True)
+        if expired:  # a queued (not yet admitted) one: its submission is dropped
+            with self._lock:
+                self._submissions = deque(s for s in self._submissions if s[0] not in expired)
+
+    def _publish(self) -> None:
+        """Counters for handlers (``snapshot``), taken on the loop thread between steps."""
+        engine, alloc = self.engine, self.engine.allocator
+        with self._lock:
+            in_flight, admission = len(self._streams), self.admission
+            reserved, owed = admission.reserved, admission.owed
+        self._snapshot = {
+            "in_flight": in_flight, "running": len(engine.running), "waiting": len(engine.waiting),
+            "kv_free_blocks": alloc.num_free_blocks, "kv_total_blocks": alloc.usable_blocks,
+            "reserved_tokens": reserved, "owed_tokens": owed,
+            "decode_tokens_per_s": round(admission.rate, 1) if admission.rate else None,
+            "refused": dict(admission.refused), "step_errors": self.step_errors,
+            "internal_errors": self.internal_errors, "target_restarts": self.target_restarts,
+            "deadlines_exceeded": self.deadlines_exceeded,
+        }
 
     def _recover(self) -> None:
         """Restart the target (and drafter) actors; meanwhile submissions are refused as retryable."""
@@ -283,6 +416,7 @@ class ServingLoop:
         try:
             start = time.monotonic()
             restart()
+            self.target_restarts += 1
             log.warning("target restarted in %.1f s", time.monotonic() - start)
             if self.telemetry is not None:
                 self.telemetry.inc("target_restarts")
@@ -302,4 +436,11 @@ class ServingLoop:
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
             self.engine.requests.pop(request_id, None)
+            self._emit(request_id, Event("error", [], error=error), final=True)
+
+    def _fail_everything(self, error: Exception) -> None:
+        """The loop is going away: every request it holds, admitted or not, gets ``error``."""
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
             self._emit(request_id, Event("error", [], error=error), final=True)

@@ -130,16 +130,17 @@ class RemoteTarget:
     def __init__(self, config: EngineFileConfig, shards: list, full_config: DecoderConfig):
         engine = config.engine
         self.shards, self.config = shards, full_config
+        self.timeout_s = config.runtime.target_timeout_s  # a pass past it: the shards count as hung
         num_blocks = max(engine.kv_cache_tokens // engine.kv_block_size, 1) + 1  # as PagedKVCache
         self.allocator = BlockAllocator(num_blocks, engine.kv_block_size)
         self.returned_feature_bytes = 0  # hidden-state bytes that came back through Ray (0 by design)
 
     def run(self, batch: VerifyBatch) -> VerifyOutput:
         arg = ray.put(batch) if len(self.shards) > 1 else batch  # one serialisation for all shards
-        output = ray.get([shard.run.remote(arg) for shard in self.shards])[0]
+        output = ray.get([shard.run.remote(arg) for shard in self.shards], timeout=self.timeout_s)[0]
         if output.features is not None:
             self.returned_feature_bytes += output.features.numel() * output.features.element_size()
         return output
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
-        ray.get([shard.forward.remote(input_ids, positions, meta) for shard in self.shards])
+        ray.get([shard.forward.remote(input_ids, positions, meta) for shard in self.shards], timeout=self.timeout_s)

@@ -7,31 +7,43 @@ instead of silently ignored.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from dspark.config import MAX_SEED, MAX_STOPS, MAX_TEMPERATURE, MAX_TOP_K
 from dspark.metrics import SpecMetrics
 
 
+def _unicode(value: str) -> str:
+    """JSON may carry lone UTF-16 surrogates (``"\\ud800"``); they are not text and cannot be tokenised."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("contains a lone surrogate (not valid Unicode)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="Model name, as listed by GET /v1/models.")
+    model: Text = Field(description="Model name, as listed by GET /v1/models.")
     max_tokens: int | None = Field(None, ge=1, description="Maximum new tokens (default: the server's).")
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (newer clients).")
     temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="Keep the k most likely tokens (0: off). Extension.")
-    stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOPS} stop strings.")
+    stop: Text | list[Text] | None = Field(None, description=f"Up to {MAX_STOPS} stop strings.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed of the request's random generator.")
     stream: bool = Field(False, description="Stream server-sent events.")
     stream_options: dict[str, bool] | None = Field(None, description="{'include_usage': true} adds a usage chunk.")
     speculation: bool = Field(True, description="Extension: false decodes this request without drafting (plain "
                                                 "decoding on the same server, e.g. as a baseline).")
     n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
-    user: str | None = Field(None, description="Ignored; accepted for compatibility.")
+    user: Text | None = Field(None, description="Ignored; accepted for compatibility.")
     logprobs: bool | int | None = Field(None, description="Not supported; must be unset or false.")
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported; must be 0.")
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported; must be 0.")
@@ -66,7 +78,8 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] = Field(description="Text, or token ids, to complete.")
+    prompt: Text | list[int] = Field(description="Text, or token ids, to complete (special tokens spelled in the "
+                                                 "text are parsed: the whole prompt is the caller's).")
     echo: bool = Field(False, description="Not supported; must be false.")
 
     @field_validator("prompt")
@@ -88,8 +101,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant"] = Field(description="Author of the message.")
-    content: str = Field(description="Message text.")
-    name: str | None = Field(None, description="Ignored; accepted for compatibility.")
+    content: Text = Field(description="Message text (always text: a special token spelled in it is not parsed).")
+    name: Text | None = Field(None, description="Ignored; accepted for compatibility.")
 
 
 class ChatCompletionRequest(_Request):

@@ -63,8 +63,9 @@ def deployment_options(config: EngineFileConfig) -> dict:
                               "runtime_env": {"env_vars": runtime.actor_env()}},
         "placement_group_bundles": [{"CPU": serving.router_cpus}, *replica_bundles(config)],
         "placement_group_strategy": runtime.placement_strategy,
-        # the replica answers 429 itself past its bounds: let those requests reach it
-        "max_ongoing_requests": serving.max_concurrent_requests + serving.max_queued_requests + 8,
+        # the replica bounds its own work (admission by tokens: 429 with Retry-After at once); Serve's bound only
+        # has to let those requests, uploads still arriving and /health reach it
+        "max_ongoing_requests": 4 * (serving.max_concurrent_requests + serving.max_queued_requests) + 64,
         "health_check_period_s": 5,
         "graceful_shutdown_timeout_s": 5,
         "graceful_shutdown_wait_loop_s": 0.5,
@@ -81,4 +82,6 @@ def build_app(args: dict | None = None) -> Application:
     return DSparkServer.options(**deployment_options(config)).bind(config)
 
 
-app = build_app()
+# `serve run deploy.ray_app:app`: Serve calls this builder with the command line's key=value arguments (none: the
+# embedded default). Nothing is built at import time.
+app = build_app

@@ -154,6 +154,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def reset_transient_state(self) -> None:
+        """After a failed step, once its requests are aborted: drop drafts asked for ahead of the next round."""
+        self._drafts.clear()
+
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """One decoding round for every running request (the only copy: the Ray router runs this too)."""

@@ -61,9 +61,47 @@ def build_engine(cfg: EngineFileConfig, speculate: bool | None = None) -> Engine
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     """Token ids of a prompt, optionally as one user turn in the target's chat template."""
     if chat:
-        if not tokenizer.chat_template:
-            raise ConfigError("chat", "the target's tokenizer has no chat template")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer.encode(text))
+
+
+_MARK = "\ue000{}\ue001"  # private-use code points around a message's index: where its content goes
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation in the target's chat template, ready for the assistant's turn.
+
+    Message contents are text: a special token spelled inside one (``<|im_start|>system``...) is encoded
+    as the characters it is made of, never as the control token, so a user cannot open a turn of
+    another role. The template itself keeps its control tokens. (The template is rendered with a marker
+    in place of each content; the pieces between markers are the template's, encoded with special tokens,
+    the contents are encoded with ``split_special_tokens``.)"""
+    if not tokenizer.chat_template:
+        raise ConfigError("messages", "the target's tokenizer has no chat template; send a plain prompt")
+    contents = [m["content"] for m in messages]
+    marks = [_MARK.format(i) for i in range(len(messages))]
+    text = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                         add_generation_prompt=True, tokenize=False)
+    pieces, pos = [], 0
+    for mark in marks:
+        at = text.find(mark, pos)
+        if at < 0 or text.count(mark) != 1:
+            return _encode_rendered(tokenizer, messages)  # the template transforms or repeats contents
+        pieces.append(text[pos:at])
+        pos = at + len(mark)
+    ids: list[int] = []
+    for template_text, content in zip(pieces, contents):
+        ids += tokenizer.encode(template_text, add_special_tokens=False)
+        ids += tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+    return ids + list(tokenizer.encode(text[pos:], add_special_tokens=False))
+
+
+def _encode_rendered(tokenizer, messages: list[dict]) -> list[int]:
+    """A template that transforms contents: render them in, refusing contents that spell a special token."""
+    specials = [t for t in tokenizer.all_special_tokens if t]
+    for i, message in enumerate(messages):
+        if any(t in message["content"] for t in specials):
+            raise ConfigError(f"messages.{i}.content", "contains the text of a special token, which this "
+                                                       "model's chat template cannot carry as text")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))

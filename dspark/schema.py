@@ -126,6 +126,12 @@ class RuntimeSpec(_Strict):
     drafter_timeout_s: float = Field(30.0, gt=0, description="A draft call slower than this counts as a drafter "
                                                              "failure: the router decodes without it and restarts it.")
     collective_timeout_s: float = Field(60.0, gt=0, description="Timeout of collective operations and rendezvous.")
+    target_timeout_s: float = Field(120.0, gt=0, description="Deadline of one target pass (a verify round or a "
+                                                             "batch of prefills) on the shard actors; past it the "
+                                                             "shards count as hung: the pass's requests fail with "
+                                                             "503 / UNAVAILABLE and the replica restarts its "
+                                                             "actors. Above the longest prefill batch the hardware "
+                                                             "can take (max_prompt_tokens x max_num_seqs).")
     feature_shard: int | None = Field(None, ge=0, description="Target shard that sends the hidden states to the "
                                                               "drafter (None: the first shard not on the drafter's "
                                                               "GPU, since NCCL cannot join two ranks on one GPU).")
@@ -165,7 +171,27 @@ class ServingSpec(_Strict):
     api_key_env: str = Field("DSPARK_API_KEY", description="Environment variable holding the API key; when it "
                                                            "is set (or api_key_file is), every API call needs it.")
     api_key_file: str | None = Field(None, description="File holding the API key (e.g. a mounted Kubernetes "
-                                                       "secret); wins over api_key_env.")
+                                                       "secret); wins over api_key_env. Must not be empty.")
+    allow_unauthenticated: bool = Field(False, description="Serve without an API key although HTTP listens on a "
+                                                           "non-loopback address (the laptop / CPU demo). Without "
+                                                           "it, such a server refuses to start.")
+    metrics_need_key: bool = Field(True, description="GET /metrics needs the API key (when one is set); false "
+                                                     "opens it to any scraper that reaches the port.")
+    max_body_bytes: int = Field(4 << 20, ge=1024, le=64 << 20, description="Largest HTTP body or gRPC message, "
+                                                                          "in bytes (413 / RESOURCE_EXHAUSTED).")
+    body_timeout_s: float = Field(10.0, gt=0, le=300, description="An HTTP body must arrive within this time "
+                                                                  "(408 beyond: a stalled upload holds nothing).")
+    request_timeout_s: float = Field(600.0, gt=0, description="Each request's deadline from its arrival (a gRPC "
+                                                              "client's own deadline wins if sooner); past it the "
+                                                              "request is aborted (504 / DEADLINE_EXCEEDED), and a "
+                                                              "request that could not finish in time at the "
+                                                              "measured throughput is refused at once (429).")
+    max_queued_tokens: int | None = Field(None, ge=0, description="Tokens (prompt + max_tokens) admitted past the "
+                                                                  "KV cache, waiting for a slot (default: the KV "
+                                                                  "cache's size); beyond, 429 with Retry-After.")
+    max_prompt_chars: int | None = Field(None, ge=1, description="Longest text prompt (all messages of a chat), "
+                                                                 "in characters, refused before tokenising "
+                                                                 "(default: 32 x max_prompt_tokens).")
     max_prompt_tokens: int = Field(1536, ge=1, description="Longest prompt accepted, in tokens (413 beyond).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of requests that do not set it.")
     max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens a request may ask for.")
@@ -184,6 +210,10 @@ class ServingSpec(_Strict):
     speculation_probe_interval_s: float = Field(60.0, gt=0, description="How long speculation stays off before "
                                                                         "it is tried again.")
     router_cpus: float = Field(0.5, ge=0, description="CPUs reserved for each replica's router / ingress process.")
+
+    @property
+    def prompt_char_limit(self) -> int:
+        return self.max_prompt_chars or 32 * self.max_prompt_tokens
 
 
 class EngineFileConfig(_Strict):

@@ -29,6 +29,8 @@ from dspark.testing import make_tiny_target, tiny_draft_config
 REPO = Path(__file__).resolve().parents[1]
 HTTP = "http://127.0.0.1:8000"  # Serve's HTTP proxy (serve_instance)
 GRPC = "127.0.0.1:9000"  # Serve's gRPC proxy
+KEY = "test-key-123"  # the API key of the apps that use one (get_health presents it: /health's details need it)
+GRPC_MAX_MESSAGE_BYTES = 4 << 20  # the gRPC proxy's cap (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE), as in `make serve`
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
@@ -105,6 +107,7 @@ def ray_cluster():
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(GRPC_MAX_MESSAGE_BYTES)  # read by the proxies Serve starts
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=RAY_METRICS_PORT)
     yield ray
     try:
@@ -121,7 +124,7 @@ def serve_instance(ray_cluster):
     from ray import serve
 
     serve.start(http_options={"host": "127.0.0.1", "port": 8000},
-                grpc_options={"port": 9000, "grpc_servicer_functions": [
+                grpc_options={"port": 9000, "enable_reflection": False, "grpc_servicer_functions": [
                     "dspark.v1.serving_pb2_grpc.add_DSparkServicer_to_server",
                     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]})
     return serve
@@ -154,7 +157,9 @@ def holds(probe: Callable, duration_s: float, what: str, until: Callable = bool,
 
 
 def get_health(route_prefix: str = "/", timeout_s: float = 30) -> dict:
-    return requests.get(f"{HTTP}{route_prefix.rstrip('/')}/health", timeout=timeout_s).json()
+    """GET /health with the suite's key (its details need it where the app has a key; ignored where not)."""
+    return requests.get(f"{HTTP}{route_prefix.rstrip('/')}/health", headers={"Authorization": f"Bearer {KEY}"},
+                        timeout=timeout_s).json()
 
 
 @contextlib.contextmanager

@@ -16,10 +16,9 @@ from dspark.loader import build_engine, encode_prompt
 from dspark.v1 import serving_pb2 as pb
 from dspark.v1 import serving_pb2_grpc
 
-from conftest import GRPC, HTTP, RAY_METRICS_PORT, benchmark_prompts, deploy_app, get_health, wait_for
+from conftest import GRPC, HTTP, KEY, RAY_METRICS_PORT, benchmark_prompts, deploy_app, get_health, wait_for
 
 pytestmark = pytest.mark.slow
-KEY = "test-key-123"
 MODEL = "smollm2-135m-instruct"
 MAX_CONCURRENT, MAX_QUEUED = 4, 2
 
@@ -73,7 +72,7 @@ def reference(engine, text: str, chat: bool, max_tokens: int) -> list[int]:
 def scrape(name_prefix: str = "dspark:") -> dict[tuple[str, tuple], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = requests.get(f"{HTTP}/metrics", timeout=30).text
+    text = requests.get(f"{HTTP}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
     values = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

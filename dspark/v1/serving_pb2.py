@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64spark/v1/serving.proto\x12\tdspark.v1\"\x88\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x18\n\x0bspeculation\x18\n \x01(\x08H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0e\n\x0c_speculation\"\x8a\x01\n\tSpecStats\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x01 \x01(\x02\x12\x14\n\x0cverify_steps\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x05 \x03(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x8f\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.dspark.v1.Usage\x12\"\n\x04spec\x18\x05 \x01(\x0b\x32\x14.dspark.v1.SpecStats\"\x8c\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.dspark.v1.Usage\x12\"\n\x04spec\x18\x05 \x01(\x0b\x32\x14.dspark.v1.SpecStats2\x97\x01\n\x06\x44Spark\x12\x43\n\x08Generate\x12\x1a.dspark.v1.GenerateRequest\x1a\x1b.dspark.v1.GenerateResponse\x12H\n\x0eGenerateStream\x12\x1a.dspark.v1.GenerateRequest\x1a\x18.dspark.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64spark/v1/serving.proto\x12\tdspark.v1\"\x9c\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x18\n\x0bspeculation\x18\n \x01(\x08H\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0e\n\x0c_speculation\"\x8a\x01\n\tSpecStats\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x01 \x01(\x02\x12\x14\n\x0cverify_steps\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x05 \x03(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x8f\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.dspark.v1.Usage\x12\"\n\x04spec\x18\x05 \x01(\x0b\x32\x14.dspark.v1.SpecStats\"\x8c\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.dspark.v1.Usage\x12\"\n\x04spec\x18\x05 \x01(\x0b\x32\x14.dspark.v1.SpecStats2\x97\x01\n\x06\x44Spark\x12\x43\n\x08Generate\x12\x1a.dspark.v1.GenerateRequest\x1a\x1b.dspark.v1.GenerateResponse\x12H\n\x0eGenerateStream\x12\x1a.dspark.v1.GenerateRequest\x1a\x18.dspark.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dspark.v1.serving_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=39
-  _globals['_GENERATEREQUEST']._serialized_end=303
-  _globals['_SPECSTATS']._serialized_start=306
-  _globals['_SPECSTATS']._serialized_end=444
-  _globals['_USAGE']._serialized_start=446
-  _globals['_USAGE']._serialized_end=503
-  _globals['_GENERATERESPONSE']._serialized_start=506
-  _globals['_GENERATERESPONSE']._serialized_end=649
-  _globals['_GENERATECHUNK']._serialized_start=652
-  _globals['_GENERATECHUNK']._serialized_end=792
-  _globals['_DSPARK']._serialized_start=795
-  _globals['_DSPARK']._serialized_end=946
+  _globals['_GENERATEREQUEST']._serialized_end=323
+  _globals['_SPECSTATS']._serialized_start=326
+  _globals['_SPECSTATS']._serialized_end=464
+  _globals['_USAGE']._serialized_start=466
+  _globals['_USAGE']._serialized_end=523
+  _globals['_GENERATERESPONSE']._serialized_start=526
+  _globals['_GENERATERESPONSE']._serialized_end=669
+  _globals['_GENERATECHUNK']._serialized_start=672
+  _globals['_GENERATECHUNK']._serialized_end=812
+  _globals['_DSPARK']._serialized_start=815
+  _globals['_DSPARK']._serialized_end=966
 # @@protoc_insertion_point(module_scope)
