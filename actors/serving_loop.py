@@ -199,12 +199,12 @@ class ServingLoop:
     def _drain(self) -> None:
         while self._cancels:
             request_id = self._cancels.popleft()
-            self.engine.abort(request_id)
-            if request_id in self.engine.requests:
-                self.engine.requests.pop(request_id)
             with self._lock:
-                self._streams.pop(request_id, None)
+                if self._streams.pop(request_id, None) is None:  # finished meanwhile, or cancelled twice
+                    continue
                 self._release(request_id)
+            self.engine.abort(request_id)
+            self.engine.requests.pop(request_id, None)
             if self.tracer is not None:
                 self.tracer.finish(request_id, "cancelled")
             if self.telemetry is not None:

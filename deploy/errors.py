@@ -95,12 +95,20 @@ class ApiError(Exception):
         grpc_context.set_trailing_metadata(self.grpc_trailers)
 
 
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
 def validation_error(errors: list[dict], skip: int = 0) -> ApiError:
     """The first pydantic error as a 400 naming its field (``skip``: leading ``loc`` parts, FastAPI's 'body')."""
     item = errors[0]
     if item.get("type") == "json_invalid":
         return ApiError(400, "request body is not valid JSON")
-    param = ".".join(str(p) for p in item["loc"][skip:]) or None
+    path = []
+    for part in item["loc"][skip:]:
+        if isinstance(part, str) and ("[" in part or part in _UNION_TAGS):  # which branch of a union: not a field
+            break
+        path.append(str(part))
+    param = ".".join(path) or None
     message = item["msg"]
     return ApiError(400, f"{param}: {message}" if param else message, param=param)
 

@@ -13,6 +13,7 @@ import time
 import grpc
 import pytest
 import requests
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dspark.config import SamplingParams
 from dspark.loader import build_engine, encode_prompt
@@ -23,6 +24,7 @@ from conftest import GRPC, HTTP, benchmark_prompts, deploy_app, get_health, wait
 
 pytestmark = pytest.mark.slow
 MAX_CONCURRENT, MAX_QUEUED = 4, 2
+HUNG_DEADLINE_S = 10.0  # runtime.target_timeout_s: a target pass slower than this is a hung shard
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +34,10 @@ def app(serve_instance, tmp_path_factory):
                     serving={"load_aware_speculation": False, "max_concurrent_requests": MAX_CONCURRENT,
                              "max_queued_requests": MAX_QUEUED, "max_tokens_limit": 64,
                              "api_key_env": "DSPARK_TEST_NO_KEY"},
-                    engine={"max_num_seqs": MAX_CONCURRENT, "scheduler": "full"},
-                    runtime={"drafter_timeout_s": 20}) as config:
+                    # no draft gate: its break-even is measured at start-up (timing-dependent), and the load test
+                    # below needs drafts in its "on" mode
+                    engine={"max_num_seqs": MAX_CONCURRENT, "scheduler": "full", "draft_gate": False},
+                    runtime={"drafter_timeout_s": 20, "target_timeout_s": HUNG_DEADLINE_S}) as config:
         yield config
 
 
@@ -64,7 +68,7 @@ def _chat(model, prompt, max_tokens, stream=False, **extra) -> dict:
 
 def _wait_healthy(timeout_s: float = 180.0) -> dict:
     return wait_for(lambda: get_health(timeout_s=10), timeout_s, "the replica back, healthy, nothing in flight",
-                    until=lambda health: health.get("in_flight") == 0, interval_s=1,
+                    until=lambda health: health.get("status") == "ok" and health.get("in_flight") == 0, interval_s=1,
                     ignore=(requests.RequestException,))
 
 
@@ -196,6 +200,59 @@ def test_killing_a_target_shard_fails_in_flight_requests_retryably_and_the_repli
             pb.GenerateRequest(prompt="Say hello.", chat=True, max_tokens=8, temperature=0.0),
             metadata=[("application", "dspark")], timeout=120)
     assert out.finish_reason in ("length", "stop") and out.usage.completion_tokens > 0
+
+
+def test_a_hung_shard_is_detected_within_its_deadline_and_the_replica_recovers(app, model):
+    """A shard that stops answering (SIGSTOP: the process hangs, as on a stuck collective or driver): the target
+    pass misses runtime.target_timeout_s, its requests fail with 503 / UNAVAILABLE, health goes red while the
+    replica replaces its actors, and then it serves the same greedy output as before."""
+    before = requests.post(f"{HTTP}/v1/chat/completions", json=_chat(model, "Name three colours.", 16), timeout=120)
+    assert before.status_code == 200
+    pid = get_health()["actors"]["target_shards"][0]
+    statuses, stop = [], threading.Event()
+
+    def watch():  # /health and gRPC health, every 0.2 s, until told to stop
+        with grpc.insecure_channel(GRPC) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            while not stop.is_set():
+                try:
+                    http = requests.get(f"{HTTP}/health", timeout=5)
+                    grpc_status = check(health_pb2.HealthCheckRequest(), metadata=[("application", "dspark")],
+                                        timeout=5).status
+                    statuses.append((http.status_code, http.json()["status"], grpc_status))
+                except (requests.RequestException, grpc.RpcError):
+                    pass
+                stop.wait(0.2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with grpc.insecure_channel(GRPC) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                serving_pb2_grpc.DSparkStub(channel).Generate(
+                    pb.GenerateRequest(prompt="Say hello.", chat=True, max_tokens=8, temperature=0.0),
+                    metadata=[("application", "dspark")], timeout=120)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert time.monotonic() - start < HUNG_DEADLINE_S + 15  # detected by the deadline, not by a client timeout
+        response = requests.post(f"{HTTP}/v1/chat/completions", json=_chat(model, "Say hello.", 8), timeout=120)
+        assert response.status_code == 503 and int(response.headers["Retry-After"]) >= 1  # refused while recovering
+        health = _wait_healthy()
+    finally:
+        stop.set()
+        watcher.join()
+        try:
+            os.kill(pid, signal.SIGKILL)  # ray.kill has already ended it; never leave a stopped process behind
+        except ProcessLookupError:
+            pass
+    assert pid not in health["actors"]["target_shards"] and health["target_restarts"] >= 1
+    assert any(code == 503 and status == "recovering" and grpc_status == health_pb2.HealthCheckResponse.NOT_SERVING
+               for code, status, grpc_status in statuses), sorted(set(statuses))
+    assert statuses[-1][:2] == (200, "ok")
+    after = requests.post(f"{HTTP}/v1/chat/completions", json=_chat(model, "Name three colours.", 16), timeout=120)
+    assert after.status_code == 200
+    assert after.json()["choices"][0]["message"]["content"] == before.json()["choices"][0]["message"]["content"]
 
 
 def test_grpc_overload_is_resource_exhausted_quickly(app):
