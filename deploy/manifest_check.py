@@ -15,7 +15,13 @@ Four layers, each reporting ``path: message``:
    functions imported;
 4. this project's configs: an application built by ``deploy.ray_app`` names an engine config that
    loads, one replica (router + target shards + drafter) fits a worker pod, and Serve's
-   ``max_replicas`` replicas fit the worker group's ``maxReplicas`` pods.
+   ``max_replicas`` replicas fit the worker group's ``maxReplicas`` pods;
+5. exposure: Ray's dashboard (its job API runs code) either bound to loopback or behind Ray's token
+   authentication (``rayClusterConfig.authOptions.mode: token``; KubeRay submits ``serveConfigV2``
+   through the head service's dashboard port, so a RayService cannot bind it to loopback); gRPC
+   reflection off; every Ray container caps gRPC messages (``RAY_SERVE_GRPC_MAX_MESSAGE_SIZE``, Serve's
+   default is 2 GiB); an application's engine config has an API key or says
+   ``serving.allow_unauthenticated: true``.
 """
 
 from __future__ import annotations
@@ -306,6 +312,52 @@ def check_project(doc: dict, serve_config: dict, errors: list[str]) -> None:
                           f"at most {room}")
 
 
+# ---------------------------------------------------------------------------- layer 5: exposure
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+GRPC_CAP_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+
+
+def check_exposure(doc: dict, serve_config: dict | None, errors: list[str]) -> None:
+    cluster = (doc.get("spec") or {}).get("rayClusterConfig") or {}
+    head = cluster.get("headGroupSpec") or {}
+    host = str((head.get("rayStartParams") or {}).get("dashboard-host", "0.0.0.0"))  # KubeRay's default
+    token = ((cluster.get("authOptions") or {}).get("mode")) == "token"
+    if host not in LOOPBACK_HOSTS and not token:
+        errors.append(f"spec.rayClusterConfig.headGroupSpec.rayStartParams.dashboard-host: {host!r} exposes Ray's "
+                      "job API (code execution) without authentication: bind 127.0.0.1 or set "
+                      "rayClusterConfig.authOptions.mode: token")
+    groups = [("headGroupSpec", head)] + [(f"workerGroupSpecs[{i}]", g)
+                                          for i, g in enumerate(cluster.get("workerGroupSpecs") or [])]
+    for where, group in groups:
+        for c_index, container in enumerate(_containers(group)[:1]):  # the Ray container
+            env = {e.get("name"): e.get("value") for e in container.get("env") or []}
+            if not str(env.get(GRPC_CAP_ENV, "")).isdigit():
+                errors.append(f"spec.rayClusterConfig.{where}...containers[{c_index}].env: {GRPC_CAP_ENV} unset "
+                              "(Serve's gRPC proxy then takes messages up to 2 GiB)")
+    if serve_config is None:
+        return
+    grpc_options = serve_config.get("grpc_options") or {}
+    if grpc_options and grpc_options.get("enable_reflection", True):
+        errors.append("spec.serveConfigV2.grpc_options.enable_reflection: must be false (reflection lists the "
+                      "API to anyone who connects)")
+    from deploy.ray_app import AppArgs
+    from dspark.config import ConfigError
+    from dspark.schema import load_engine_config
+
+    for a_index, app in enumerate(serve_config.get("applications") or []):
+        if not str(app.get("import_path", "")).startswith("deploy.ray_app:"):
+            continue
+        try:
+            path = Path(AppArgs.model_validate(app.get("args") or {}).config)
+            serving = load_engine_config(path if path.is_absolute() else REPO / path).serving
+        except (ConfigError, ValueError):
+            continue  # layer 4 reports it
+        if not (serving.api_key_file or serving.allow_unauthenticated):
+            errors.append(f"spec.serveConfigV2.applications[{a_index}]: {path} has no serving.api_key_file and "
+                          "does not say serving.allow_unauthenticated: true (its replicas refuse to start on "
+                          "0.0.0.0)")
+
+
 # ---------------------------------------------------------------------------- entry points
 def load_schema(path: Path = DEFAULT_SCHEMA) -> dict:
     return json.loads(Path(path).read_text())
@@ -323,6 +375,7 @@ def validate(doc: dict, schema: dict) -> list[str]:
     serve_config = check_serve_config((doc.get("spec") or {}).get("serveConfigV2"), errors)
     if serve_config is not None:
         check_project(doc, serve_config, errors)
+    check_exposure(doc, serve_config, errors)
     return errors
 
 

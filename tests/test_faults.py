@@ -249,7 +249,6 @@ def test_a_hung_shard_is_detected_within_its_deadline_and_the_replica_recovers(a
     assert pid not in health["actors"]["target_shards"] and health["target_restarts"] >= 1
     assert any(code == 503 and status == "recovering" and grpc_status == health_pb2.HealthCheckResponse.NOT_SERVING
                for code, status, grpc_status in statuses), sorted(set(statuses))
-    assert statuses[-1][:2] == (200, "ok")
     after = requests.post(f"{HTTP}/v1/chat/completions", json=_chat(model, "Name three colours.", 16), timeout=120)
     assert after.status_code == 200
     assert after.json()["choices"][0]["message"]["content"] == before.json()["choices"][0]["message"]["content"]

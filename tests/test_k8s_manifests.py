@@ -88,6 +88,13 @@ BROKEN = {
     "bad-quantity": (lambda d: _workers(d)["template"]["spec"]["containers"][0]["resources"]["limits"].__setitem__(
         "memory", "lots"), "does not match"),
     "managed-by": (lambda d: d["spec"].__setitem__("managedBy", "me"), "managedBy field value"),
+    # exposure
+    "dashboard-open-without-token": (lambda d: d["spec"]["rayClusterConfig"].pop("authOptions"),
+                                     "exposes Ray's job API"),
+    "grpc-reflection-on": (lambda d: _serve(d, lambda c: c["grpc_options"].pop("enable_reflection")),
+                           "enable_reflection: must be false"),
+    "grpc-message-cap-unset": (lambda d: _workers(d)["template"]["spec"]["containers"][0].__setitem__(
+        "env", [{"name": "DSPARK_CACHE", "value": "/models/cache"}]), "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE unset"),
 }
 
 
@@ -98,6 +105,15 @@ def test_broken_variant_is_caught(schema, gpu_doc, case):
     breakage(gpu_doc)
     errors = validate(gpu_doc, schema)
     assert any(expected in e for e in errors), errors
+
+
+def test_a_config_without_key_or_consent_is_caught(schema, gpu_doc, tmp_path):
+    config = (REPO / "configs" / "kimi-k3.1-pro-b300.yaml").read_text()
+    keyless = tmp_path / "keyless.yaml"
+    keyless.write_text(config.replace("api_key_file: /etc/dspark/api-key/key", "api_key_env: DSPARK_API_KEY"))
+    _serve(gpu_doc, lambda c: c["applications"][0]["args"].__setitem__("config", str(keyless)))
+    errors = validate(gpu_doc, schema)
+    assert any("allow_unauthenticated" in e for e in errors), errors
 
 
 def test_defaults_are_applied_before_validation(schema, gpu_doc):
