@@ -268,10 +268,11 @@ class ServingLoop:
     def _after_step(self) -> None:
         engine, now = self.engine, time.monotonic()
         m = engine.metrics
-        self._window.append((now, m.completion_tokens, m.verify_steps, engine.num_steps, engine.timings["step"]))
-        while len(self._window) > 1 and self._window[1][0] < now - self.window_s:
-            self._window.popleft()  # keep one sample at or before the window's start
-        (_, tok0, _, _, sec0), (_, tok1, _, _, sec1) = self._window[0], self._window[-1]
+        with self._lock:  # autoscaling_stats copies the window from Serve's threads
+            self._window.append((now, m.completion_tokens, m.verify_steps, engine.num_steps, engine.timings["step"]))
+            while len(self._window) > 1 and self._window[1][0] < now - self.window_s:
+                self._window.popleft()  # keep one sample at or before the window's start
+            (_, tok0, _, _, sec0), (_, tok1, _, _, sec1) = self._window[0], self._window[-1]
         if sec1 - sec0 > 1.0:  # decode throughput while stepping (what admission's time bound divides by)
             self.admission.rate = (tok1 - tok0) / (sec1 - sec0)
         if self.switch is not None:
@@ -301,8 +302,8 @@ class ServingLoop:
         Empty until the replica has decoded anything (the policy then holds); an idle replica
         keeps its last measured acceptance length and step time and reports zero demand."""
         now = time.monotonic()
-        window = list(self._window)
         with self._lock:
+            window = list(self._window)
             outstanding = float(sum(t.remaining for t in self._timing.values()))
         rate = 0.0
         if len(window) >= 2 and window[-1][2] > window[0][2]:

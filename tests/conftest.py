@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
+import sys
 import sysconfig
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -183,3 +187,69 @@ def deploy_app(tmp_dir: Path, name: str = "dspark", route_prefix: str = "/",
         yield load_engine_config(path)
     finally:
         serve.delete(name)
+
+
+class ServeRun:
+    """A ``serve run`` process (the real CLI, its own local Ray cluster) on its own ports, with its output kept."""
+
+    def __init__(self, proc: subprocess.Popen, http: str, grpc: str, config: EngineFileConfig | None):
+        self.proc, self.http, self.grpc, self.config = proc, http, grpc, config
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)  # serve run deletes its app and stops its cluster
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._reader.join(timeout=10)
+
+
+@contextlib.contextmanager
+def serve_run(tmp_dir: Path, http_port: int, grpc_port: int, host: str = "127.0.0.1", wait_ready: bool = True,
+              **sections: dict) -> Iterator[ServeRun]:
+    """``serve run`` of a Serve config like configs/serve.yaml (the embedded default, bf16: see ``embedded_exact``,
+    sections updated as in ``deploy_app``) with HTTP on ``host:http_port`` and gRPC on ``grpc_port``, in a Ray
+    cluster of its own (``--address local``); yields once /health answers ok (``wait_ready``), then Ctrl-C."""
+    import yaml
+
+    prepare_target()
+    sections = sections | {part: {"dtype": "bfloat16", **sections.get(part, {})} for part in ("target", "draft")}
+    engine_path = write_variant(load_engine_config(REPO / "configs" / "embedded.yaml"), Path(tmp_dir) / "engine.yaml",
+                                **sections)
+    serve_config = yaml.safe_load((REPO / "configs" / "serve.yaml").read_text())
+    serve_config["http_options"] = {"host": host, "port": http_port}
+    serve_config["grpc_options"]["port"] = grpc_port
+    serve_config["applications"][0].update(import_path="deploy.ray_app:build_app", args={"config": str(engine_path)})
+    path = Path(tmp_dir) / "serve.yaml"
+    path.write_text(yaml.safe_dump(serve_config))
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(GRPC_MAX_MESSAGE_BYTES),
+           "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", "--address", "local", str(path)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", start_new_session=True)
+    run = ServeRun(proc, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", load_engine_config(engine_path))
+    try:
+        if wait_ready:
+            def health():
+                assert proc.poll() is None, f"serve run exited ({proc.returncode}):\n{run.output[-3000:]}"
+                return requests.get(f"{run.http}/health", timeout=10).json()
+
+            wait_for(health, 300, f"serve run to answer /health on :{http_port}",
+                     until=lambda h: h.get("status") == "ok", interval_s=1, ignore=(requests.RequestException,
+                                                                                   ValueError))
+        yield run
+    finally:
+        run.stop()

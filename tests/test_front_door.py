@@ -1,6 +1,7 @@
-"""The front door against a live Serve app (real HTTP and gRPC clients, the embedded default): an edge and
-attack suite over both protocols, the auth matrix, 64 and 256 concurrent clients, and a client that leaves
-before its first chunk. Afterwards the replica is healthy, holds nothing, and answers as before."""
+"""The front door of a live ``serve run`` (the real CLI, its own Ray cluster, the embedded default; real HTTP and
+gRPC clients): an edge and attack suite over both protocols, the auth matrix, 64 and 256 concurrent clients, a
+client that leaves before its first chunk, and a keyless server refusing to start on 0.0.0.0. After each, the
+replica is healthy, holds nothing, and answers as before."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dspark.loader import encode_chat, load_tokenizer
 from dspark.v1 import serving_pb2 as pb
 from dspark.v1 import serving_pb2_grpc
 
-from conftest import GRPC, HTTP, KEY, deploy_app, get_health, wait_for
+from conftest import KEY, serve_run, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -27,17 +28,34 @@ MAX_PROMPT_TOKENS = 1536  # the embedded default's limit
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRPC_AUTH = (("application", "dspark"), ("authorization", f"Bearer {KEY}"))
 DEADLINE_S = 60  # no probe may take longer
+HTTP_PORT, GRPC_PORT = 8100, 9100  # this module's `serve run` (the session's Serve app holds 8000 / 9000)
+HTTP, GRPC = f"http://127.0.0.1:{HTTP_PORT}", f"127.0.0.1:{GRPC_PORT}"
+
+
+def test_a_keyless_server_refuses_to_start_on_an_open_address(tmp_path):
+    """`serve run` bound to 0.0.0.0 with no API key and no serving.allow_unauthenticated: the replica refuses to
+    start, naming the setting; the HTTP API never answers."""
+    with serve_run(tmp_path, 8101, 9101, host="0.0.0.0", wait_ready=False,
+                   serving={"allow_unauthenticated": False, "api_key_env": "DSPARK_TEST_NO_KEY"}) as run:
+        wait_for(lambda: run.output, 300, "the replica's refusal in serve run's output",
+                 until=lambda out: "no API key is configured and HTTP listens on '0.0.0.0'" in out, interval_s=1)
+        with pytest.raises(requests.RequestException):
+            requests.get(f"{run.http}/v1/models", timeout=5).raise_for_status()
 
 
 @pytest.fixture(scope="module")
-def app(serve_instance, tmp_path_factory):
-    """The embedded default's serving limits, with an API key and a short body timeout."""
+def app(tmp_path_factory):
+    """`serve run` of the embedded default with its serving limits, an API key and a short body timeout."""
     key_file = tmp_path_factory.mktemp("secret") / "api-key"
     key_file.write_text(KEY + "\n")
-    with deploy_app(tmp_path_factory.mktemp("front-door"),
-                    serving={"api_key_file": str(key_file), "body_timeout_s": BODY_TIMEOUT_S,
-                             "load_aware_speculation": False}) as config:
-        yield config
+    with serve_run(tmp_path_factory.mktemp("front-door"), HTTP_PORT, GRPC_PORT,
+                   serving={"api_key_file": str(key_file), "body_timeout_s": BODY_TIMEOUT_S,
+                            "load_aware_speculation": False}) as run:
+        yield run.config
+
+
+def get_health() -> dict:
+    return requests.get(f"{HTTP}/health", headers=AUTH, timeout=30).json()
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +192,7 @@ def test_body_limits_act_while_reading(app):
     assert_openai_error(streamed, 413)
     assert time.monotonic() - start < DEADLINE_S
     # a stalled upload: the body never arrives; the replica answers 408 after body_timeout_s and holds nothing
-    with socket.create_connection(("127.0.0.1", 8000), timeout=DEADLINE_S) as sock:
+    with socket.create_connection(("127.0.0.1", HTTP_PORT), timeout=DEADLINE_S) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"model\":")
         start = time.monotonic()
@@ -183,7 +201,7 @@ def test_body_limits_act_while_reading(app):
     assert head.startswith("HTTP/1.1 408"), head[:200]
     assert BODY_TIMEOUT_S - 0.5 < waited < BODY_TIMEOUT_S + 20
     # an unauthenticated upload is refused before its body is read
-    with socket.create_connection(("127.0.0.1", 8000), timeout=DEADLINE_S) as sock:
+    with socket.create_connection(("127.0.0.1", HTTP_PORT), timeout=DEADLINE_S) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n")
         assert sock.recv(4096).decode("latin-1").startswith("HTTP/1.1 401")
     idle_health()
@@ -345,7 +363,7 @@ def test_a_client_that_leaves_before_its_first_chunk_cancels_its_request(app):
                        "max_tokens": 1024, "stream": True, "temperature": 0}).encode()
     cancelled, finished = counter("request_errors_total", 'kind="Cancelled"'), counter("request_success_total")
     for _ in range(3):
-        with socket.create_connection(("127.0.0.1", 8000), timeout=30) as sock:
+        with socket.create_connection(("127.0.0.1", HTTP_PORT), timeout=30) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
                          + str(len(body)).encode() + b"\r\n\r\n" + body)
