@@ -52,6 +52,11 @@ def autoscaling_config(config: EngineFileConfig) -> AutoscalingConfig | None:
                              downscale_delay_s=spec.downscale_delay_s, policy=policy)
 
 
+def max_ongoing(serving) -> int:
+    """Requests Serve lets reach one replica at once (the replica admits far fewer into decoding)."""
+    return 4 * (serving.max_concurrent_requests + serving.max_queued_requests) + 64
+
+
 def deployment_options(config: EngineFileConfig) -> dict:
     serving, runtime = config.serving, config.runtime
     autoscaling = autoscaling_config(config)
@@ -64,8 +69,11 @@ def deployment_options(config: EngineFileConfig) -> dict:
         "placement_group_bundles": [{"CPU": serving.router_cpus}, *replica_bundles(config)],
         "placement_group_strategy": runtime.placement_strategy,
         # the replica bounds its own work (admission by tokens: 429 with Retry-After at once); Serve's bound only
-        # has to let those requests, uploads still arriving and /health reach it
-        "max_ongoing_requests": 4 * (serving.max_concurrent_requests + serving.max_queued_requests) + 64,
+        # has to let those requests, uploads still arriving and /health reach it, and its queue in front of the
+        # replicas is bounded too (past it, Serve's own 429)
+        "max_ongoing_requests": max_ongoing(serving),
+        "max_queued_requests": max_ongoing(serving),
+        "backpressure_config": {"status_code": 429, "retry_after_s": 1.0},
         "health_check_period_s": 5,
         "graceful_shutdown_timeout_s": 5,
         "graceful_shutdown_wait_loop_s": 0.5,
