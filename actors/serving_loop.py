@@ -107,6 +107,7 @@ class ServingLoop:
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stop = False
+        self._closed = False  # set (under the lock) once the loop fails everything it holds and takes no more
         self.step_errors = 0
         self.telemetry_interval_s = 0.25
         self._telemetry_at, self._telemetry_due = 0.0, False
@@ -157,18 +158,19 @@ class ServingLoop:
                timeout_s: float | None = None) -> tuple[int, asyncio.Queue]:
         """Admit a request (or raise ``Overloaded`` / ``Unavailable`` at once); ``timeout_s``: the client's own
         deadline, if sooner than the server's."""
-        if not self.alive:
-            raise Unavailable("replica's serving loop stopped; retry (the replica is being replaced)")
-        if self.recovering:
-            raise Unavailable("replica is restarting its target after a failure; retry")
+        event_loop = asyncio.get_running_loop()
         now = time.monotonic()
         limit = self.admission.limits.request_timeout_s
         deadline = now + (limit if timeout_s is None else min(timeout_s, limit))
-        with self._lock:
+        with self._lock:  # the loop thread sets _closed under this lock before it fails what it holds
+            if self._closed or not self.alive:
+                raise Unavailable("replica's serving loop stopped; retry (the replica is being replaced)")
+            if self.recovering:
+                raise Unavailable("replica is restarting its target after a failure; retry")
             self.admission.admit(len(prompt_ids), params.max_tokens)
             request_id = next(self._ids)
             queue: asyncio.Queue = asyncio.Queue()
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+            self._streams[request_id] = (event_loop, queue)
             self._submissions.append((request_id, prompt_ids, params, speculate))
             self._timing[request_id] = _Timing(now, deadline, len(prompt_ids), params.max_tokens)
         self._wake.set()
@@ -325,6 +327,7 @@ class ServingLoop:
             log.exception("the serving loop died; failing every request and reporting the replica unhealthy")
             self._fail_everything(Unavailable("replica's serving loop stopped; retry"))
             raise
+        self._fail_everything(Unavailable("replica is shutting down; retry"))  # closed: nothing left waiting
 
     def _serve(self) -> None:
         while not self._stop:
@@ -440,8 +443,9 @@ class ServingLoop:
             self._emit(request_id, Event("error", [], error=error), final=True)
 
     def _fail_everything(self, error: Exception) -> None:
-        """The loop is going away: every request it holds, admitted or not, gets ``error``."""
+        """The loop is going away: every request it holds, admitted or not, gets ``error``; no more are taken."""
         with self._lock:
+            self._closed = True
             request_ids = list(self._streams)
         for request_id in request_ids:
             self._emit(request_id, Event("error", [], error=error), final=True)

@@ -75,7 +75,7 @@ class KeyCheck:
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             return False
-        return hmac.compare_digest(token.encode("utf-8", "surrogatepass"), self._key)
+        return hmac.compare_digest(token.encode("utf-8", "surrogateescape"), self._key)
 
     def check(self, authorization: str | None) -> None:
         if not self.accepts(authorization):

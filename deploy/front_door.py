@@ -57,7 +57,7 @@ class FrontDoor:
         for name in PROXY_STEERING_HEADERS:
             if name in headers:
                 raise ApiError(400, f"header {name.decode()} is not accepted by this server", param=name.decode())
-        authorized = self.keys.accepts(headers.get(b"authorization", b"").decode("latin-1"))
+        authorized = self.keys.accepts(headers.get(b"authorization", b"").decode("utf-8", "surrogateescape"))
         scope.setdefault("state", {})["authorized"] = authorized
         if not authorized and self._path(scope) not in self.open_paths:
             raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
@@ -65,7 +65,9 @@ class FrontDoor:
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return receive
         declared = headers.get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+        if declared is not None and not declared.isdigit():
+            raise ApiError(400, "Content-Length is not a number", param="content-length")
+        if declared is not None and int(declared) > self.max_body_bytes:
             raise ApiError(413, f"request body over {self.max_body_bytes} bytes", code="body_too_large")
         body = await self._read_body(receive)
         if body is None:

@@ -3,10 +3,14 @@
 A mixin of ``DSparkServer``: it uses the replica's ``keys``, ``adapter``, ``loop`` and ``tokenizer``.
 Requests go through the same adapter as HTTP (``RequestAdapter.from_grpc`` turns them into the OpenAI
 models), so bounds and errors agree; an error's details name its field, trailers carry its type, field,
-code and ``retry-after-ms``. A client's own deadline, if sooner than the server's, bounds the request.
+code and ``retry-after-ms``; anything unexpected is INTERNAL with no detail beyond its type (never a
+traceback). A client whose deadline passes cancels the call: Serve's proxy cancels the handler, which
+cancels the request.
 """
 
 from __future__ import annotations
+
+import logging
 
 from grpc_health.v1 import health_pb2
 
@@ -15,6 +19,8 @@ from deploy.generation import Generation
 from deploy.openai_protocol import SpecStats
 from deploy.text_stream import TextStream
 from dspark.v1 import serving_pb2 as pb
+
+log = logging.getLogger("dspark.server")
 
 
 def _usage(generation: Generation, final) -> pb.Usage:
@@ -25,18 +31,16 @@ def _spec(final) -> pb.SpecStats:
     return pb.SpecStats(**SpecStats.from_metrics(final.metrics).model_dump())
 
 
-def _client_timeout(grpc_context) -> float | None:
-    try:
-        return grpc_context.time_remaining()
-    except (AttributeError, NotImplementedError):
-        return None
+def _internal(exc: Exception) -> ApiError:
+    log.error("gRPC request failed: %s", type(exc).__name__)  # no request content in logs
+    return ApiError(500, f"internal server error ({type(exc).__name__})")
 
 
 class GrpcApi:
     async def _grpc_start(self, request: pb.GenerateRequest, grpc_context) -> tuple[Generation, object]:
         self.keys.check(dict(grpc_context.invocation_metadata()).get("authorization"))
         prepared = await self.adapter.prepare(self.adapter.from_grpc(request))
-        return await Generation.start(self.loop, prepared, _client_timeout(grpc_context)), prepared.params
+        return await Generation.start(self.loop, prepared), prepared.params
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:  # noqa: N802
         try:
@@ -49,6 +53,9 @@ class GrpcApi:
                                        usage=_usage(generation, final), spec=_spec(final))
         except ApiError as exc:
             exc.apply_to(grpc_context)
+            return pb.GenerateResponse()
+        except Exception as exc:  # noqa: BLE001  (a bug: INTERNAL, never the traceback)
+            _internal(exc).apply_to(grpc_context)
             return pb.GenerateResponse()
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context):  # noqa: N802
@@ -70,6 +77,10 @@ class GrpcApi:
             # raise, so that a stream cut short ends with this status (UNAVAILABLE...), never a silent OK
             exc.apply_to(grpc_context)
             raise RuntimeError(exc.message) from None
+        except Exception as exc:  # noqa: BLE001  (a bug: INTERNAL, never the traceback)
+            error = _internal(exc)
+            error.apply_to(grpc_context)
+            raise RuntimeError(error.message) from None
 
     def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:  # noqa: N802
         serving = self.loop.state == "ok"

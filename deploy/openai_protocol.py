@@ -105,8 +105,12 @@ class ChatMessage(BaseModel):
     name: Text | None = Field(None, description="Ignored; accepted for compatibility.")
 
 
+MAX_MESSAGES = 256
+
+
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES,
+                                        description=f"The conversation so far (at most {MAX_MESSAGES} messages).")
 
 
 class Usage(BaseModel):

@@ -12,6 +12,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from deploy.errors import ApiError, from_validation
@@ -125,3 +126,6 @@ class RequestAdapter:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         except ConfigError as exc:
             raise ApiError(400, str(exc), param=exc.field) from None
+        except TemplateError as exc:  # the chat template refuses the conversation (e.g. the order of roles)
+            raise ApiError(400, f"messages: the model's chat template refuses them ({exc})",
+                           param="messages") from None

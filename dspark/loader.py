@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -66,6 +67,7 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 _MARK = "\ue000{}\ue001"  # private-use code points around a message's index: where its content goes
+_MARKS = re.compile("\ue000(\\d+)\ue001")
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
@@ -79,21 +81,16 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     if not tokenizer.chat_template:
         raise ConfigError("messages", "the target's tokenizer has no chat template; send a plain prompt")
     contents = [m["content"] for m in messages]
-    marks = [_MARK.format(i) for i in range(len(messages))]
-    text = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
-                                         add_generation_prompt=True, tokenize=False)
-    pieces, pos = [], 0
-    for mark in marks:
-        at = text.find(mark, pos)
-        if at < 0 or text.count(mark) != 1:
-            return _encode_rendered(tokenizer, messages)  # the template transforms or repeats contents
-        pieces.append(text[pos:at])
-        pos = at + len(mark)
+    text = tokenizer.apply_chat_template(
+        [{**m, "content": _MARK.format(i)} for i, m in enumerate(messages)], add_generation_prompt=True, tokenize=False)
+    parts = _MARKS.split(text)  # template text, index, template text, index, ... (one pass over the text)
+    if [int(i) for i in parts[1::2]] != list(range(len(messages))):
+        return _encode_rendered(tokenizer, messages)  # the template drops, repeats or reorders contents
     ids: list[int] = []
-    for template_text, content in zip(pieces, contents):
+    for template_text, content in zip(parts[0::2], contents):
         ids += tokenizer.encode(template_text, add_special_tokens=False)
         ids += tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
-    return ids + list(tokenizer.encode(text[pos:], add_special_tokens=False))
+    return ids + list(tokenizer.encode(parts[-1], add_special_tokens=False))
 
 
 def _encode_rendered(tokenizer, messages: list[dict]) -> list[int]:

@@ -181,9 +181,9 @@ class ServingSpec(_Strict):
                                                                           "in bytes (413 / RESOURCE_EXHAUSTED).")
     body_timeout_s: float = Field(10.0, gt=0, le=300, description="An HTTP body must arrive within this time "
                                                                   "(408 beyond: a stalled upload holds nothing).")
-    request_timeout_s: float = Field(600.0, gt=0, description="Each request's deadline from its arrival (a gRPC "
-                                                              "client's own deadline wins if sooner); past it the "
-                                                              "request is aborted (504 / DEADLINE_EXCEEDED), and a "
+    request_timeout_s: float = Field(600.0, gt=0, description="Each request's deadline from its arrival (a client "
+                                                              "whose own deadline passes cancels sooner); past it "
+                                                              "the request is aborted (504 / DEADLINE_EXCEEDED), and a "
                                                               "request that could not finish in time at the "
                                                               "measured throughput is refused at once (429).")
     max_queued_tokens: int | None = Field(None, ge=0, description="Tokens (prompt + max_tokens) admitted past the "

@@ -150,6 +150,8 @@ HTTP_PROBES = [
     ("content a list", "/v1/chat/completions", chat([{"type": "text", "text": "x"}]), 400, "messages.0.content"),
     ("lone surrogate in a message", "/v1/chat/completions", chat("\ud83d"), 400, "messages.0.content"),
     ("1 MB chat", "/v1/chat/completions", chat("y" * (1 << 20)), 413, "messages"),
+    ("100,000 empty messages", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": ""}] * 100_000}, 400, "messages"),
     # bodies that are not objects
     ("a JSON list", "/v1/completions", [1, 2], 400, "any"),
     ("JSON null", "/v1/completions", None, 400, "any"),
@@ -349,6 +351,8 @@ def test_concurrent_clients_are_answered_or_refused_with_retry_after(app, client
     assert all(int(retry) >= 1 for status, retry, _ in results if status == 429)
     assert max(r[2] for r in results) < deadline
     served = statuses.count(200)
+    print(f"{clients} concurrent clients: {served} x 200, {statuses.count(429)} x 429 (Retry-After "
+          f"{sorted({r[1] for r in results if r[0] == 429})}), slowest answer {max(r[2] for r in results):.1f} s")
     assert served >= min(clients, spec.max_concurrent_requests), statuses.count(429)
     if clients > spec.max_concurrent_requests + spec.max_queued_requests:
         assert statuses.count(429) > 0
