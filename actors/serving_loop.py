@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import logging
+import math
 import threading
 import time
 from collections import deque

@@ -59,7 +59,7 @@ def test_grpc_requests_take_the_http_schema(adapter):
             (pb.GenerateRequest(prompt_token_ids=[1], chat=True), 400, "chat"),
             (pb.GenerateRequest(prompt_token_ids=[1] * 65), 413, "prompt"),  # counted before the ids are copied
             (pb.GenerateRequest(prompt="x" * (5 << 20)), 413, None)):  # over max_body_bytes
-        error = refused(lambda: adapter.from_grpc(request))
+        error = refused(lambda request=request: adapter.from_grpc(request))
         assert (error.status, error.param) == (status, field), error.message
 
 
@@ -77,7 +77,7 @@ def test_cheap_limits_act_before_tokenising(adapter, monkeypatch):
 
 def test_ids_are_checked(adapter):
     for prompt, status in (([1] * 65, 413), ([len(adapter.tokenizer)], 400)):
-        error = refused(lambda: adapter.prepare(CompletionRequest(model="tiny", prompt=prompt)))
+        error = refused(lambda prompt=prompt: adapter.prepare(CompletionRequest(model="tiny", prompt=prompt)))
         assert (error.status, error.param) == (status, "prompt")
 
 
