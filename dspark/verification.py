@@ -29,8 +29,8 @@ def _pack(
     final_token: torch.Tensor,  # [B]
 ) -> VerifyResult:
     batch, block = draft_tokens.shape
-    idx = torch.arange(block + 1)[None, :]
-    padded = torch.cat((draft_tokens, torch.zeros(batch, 1, dtype=torch.long)), dim=1)
+    idx = torch.arange(block + 1, device=draft_tokens.device)[None, :]
+    padded = torch.cat((draft_tokens, draft_tokens.new_zeros(batch, 1)), dim=1)
     tokens = torch.where(idx < num_accepted[:, None], padded, torch.full_like(padded, -1))
     tokens.scatter_(1, num_accepted[:, None], final_token[:, None])
     return VerifyResult(tokens, num_accepted)
@@ -49,7 +49,7 @@ def verify_greedy(
     """Accept while the draft equals the target's argmax; then the target's argmax."""
     target_tokens = target_logits.argmax(-1)  # [B, G + 1]
     block = draft_tokens.shape[1]
-    in_range = torch.arange(block)[None, :] < num_draft[:, None]
+    in_range = torch.arange(block, device=draft_tokens.device)[None, :] < num_draft[:, None]
     num_accepted = _first_false((draft_tokens == target_tokens[:, :block]) & in_range)
     return _pack(draft_tokens, num_accepted, target_tokens.gather(1, num_accepted[:, None])[:, 0])
 
@@ -70,7 +70,7 @@ def verify_tokenwise(
     batch, block = draft_tokens.shape
     p_target = _token_probs(target_probs, draft_tokens)
     p_draft = _token_probs(draft_probs, draft_tokens)
-    in_range = torch.arange(block)[None, :] < num_draft[:, None]
+    in_range = torch.arange(block, device=draft_tokens.device)[None, :] < num_draft[:, None]
     accepted = (uniforms[:, :block] * p_draft < p_target) & in_range
     num_accepted = _first_false(accepted)
     target_at = target_probs.gather(1, num_accepted[:, None, None].expand(-1, 1, target_probs.shape[-1]))[:, 0]
@@ -99,19 +99,20 @@ def verify_block(
     """
     batch, block = draft_tokens.shape
     ratio = _token_probs(target_probs, draft_tokens) / _token_probs(draft_probs, draft_tokens).clamp_min(1e-30)
-    p = [torch.ones(batch)]
+    one = ratio.new_ones(batch)  # [B]
+    p = [one]
     for i in range(block):
-        p.append(torch.minimum(torch.ones(batch), p[-1] * ratio[:, i]))
+        p.append(torch.minimum(one, p[-1] * ratio[:, i]))
     p_all = torch.stack(p, dim=1)  # [B, G + 1]
     # [B, G + 1, V]
     draft_padded = torch.cat((draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])), dim=1)
     residual_mass = (p_all[:, :, None] * target_probs - draft_padded).clamp_min(0).sum(-1)  # [B, G + 1]
     denom = residual_mass + 1 - p_all
     h = torch.where(denom > 0, residual_mass / denom.clamp_min(1e-30), torch.zeros_like(denom))
-    idx = torch.arange(block + 1)[None, :]
+    idx = torch.arange(block + 1, device=draft_tokens.device)[None, :]
     h = torch.where(idx == num_draft[:, None], p_all, h)  # h_L = p_L
     h = torch.where(idx > num_draft[:, None], torch.zeros_like(h), h)
-    h[:, 0] = torch.where(num_draft == 0, torch.ones(batch), h[:, 0])
+    h[:, 0] = torch.where(num_draft == 0, one, h[:, 0])
     stop_ok = (uniforms[:, : block + 1] <= h) & (idx <= num_draft[:, None])  # a draw of exactly 0 stops nowhere past L
     stop_ok[:, 0] = True  # tau = 0 when no later index qualifies
     tau = (stop_ok.long() * idx).max(dim=1).values  # [B]
