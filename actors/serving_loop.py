@@ -99,7 +99,6 @@ class ServingLoop:
         self._timing: dict[int, _Timing] = {}
         self._window: deque = deque()  # (time, completion tokens, request-rounds, steps, step seconds)
         self._last_tau, self._last_step = None, None  # last measured acceptance length and step time
-        self.max_running, self.max_queued = max_running, max_queued
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._submissions: deque = deque()
@@ -154,14 +153,12 @@ class ServingLoop:
         """The loop's counters as of its last step boundary (safe to read from any thread)."""
         return self._snapshot
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True,
-               timeout_s: float | None = None) -> tuple[int, asyncio.Queue]:
-        """Admit a request (or raise ``Overloaded`` / ``Unavailable`` at once); ``timeout_s``: the client's own
-        deadline, if sooner than the server's."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               speculate: bool = True) -> tuple[int, asyncio.Queue]:
+        """Admit a request (or raise ``Overloaded`` / ``Unavailable`` at once)."""
         event_loop = asyncio.get_running_loop()
         now = time.monotonic()
-        limit = self.admission.limits.request_timeout_s
-        deadline = now + (limit if timeout_s is None else min(timeout_s, limit))
+        deadline = now + self.admission.limits.request_timeout_s
         with self._lock:  # the loop thread sets _closed under this lock before it fails what it holds
             if self._closed or not self.alive:
                 raise Unavailable("replica's serving loop stopped; retry (the replica is being replaced)")
@@ -205,8 +202,7 @@ class ServingLoop:
                 if self._streams.pop(request_id, None) is None:  # finished meanwhile, or cancelled twice
                     continue
                 self._release(request_id)
-            self.engine.abort(request_id)
-            self.engine.requests.pop(request_id, None)
+            self._abort(request_id)
             if self.tracer is not None:
                 self.tracer.finish(request_id, "cancelled")
             if self.telemetry is not None:
@@ -223,6 +219,11 @@ class ServingLoop:
                 self._emit(request_id, Event("error", [], error=exc), final=True)
                 continue
             self._emit(request_id, Event("accepted", [], prompt_tokens=len(prompt_ids)))
+
+    def _abort(self, request_id: int) -> None:
+        """Stop the engine's work on a request (its KV blocks are free) and forget it."""
+        self.engine.abort(request_id)
+        self.engine.requests.pop(request_id, None)
 
     def _release(self, request_id: int) -> None:
         """The request left the replica (under the lock): its admission counts are given back."""
@@ -386,8 +387,7 @@ class ServingLoop:
             expired = [rid for rid, timing in self._timing.items() if timing.deadline < now]
         for request_id in expired:
             self.deadlines_exceeded += 1
-            self.engine.abort(request_id)
-            self.engine.requests.pop(request_id, None)
+            self._abort(request_id)
             self._emit(request_id, Event("error", [], error=DeadlineExceeded("request deadline exceeded")),
                        final=True)
         if expired:  # a queued (not yet admitted) one: its submission is dropped
@@ -438,8 +438,7 @@ class ServingLoop:
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
-            self.engine.requests.pop(request_id, None)
+            self._abort(request_id)
             self._emit(request_id, Event("error", [], error=error), final=True)
 
     def _fail_everything(self, error: Exception) -> None:

@@ -23,10 +23,10 @@ class Generation:
     prompt_tokens: int
 
     @classmethod
-    async def start(cls, loop: ServingLoop, request: PreparedRequest, timeout_s: float | None = None) -> Generation:
+    async def start(cls, loop: ServingLoop, request: PreparedRequest) -> Generation:
         """Submit; return once the engine has accepted the request (or raise its refusal as an ``ApiError``)."""
         try:
-            request_id, queue = loop.submit(request.prompt_ids, request.params, request.speculate, timeout_s)
+            request_id, queue = loop.submit(request.prompt_ids, request.params, request.speculate)
         except Overloaded as exc:
             raise ApiError(429, str(exc), code="overloaded", retry_after_s=exc.retry_after_s) from None
         except Unavailable as exc:
