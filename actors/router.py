@@ -98,7 +98,8 @@ class Router(Engine):
         self._admitted = 0
         try:
             target, drafter = self._start_actors(full_config, layers)
-            super().__init__(target, load_tokenizer(target_path), drafter, engine_cfg, layers)
+            super().__init__(target, load_tokenizer(target_path, config.target.trust_remote_code), drafter,
+                             engine_cfg, layers)
         except BaseException:
             self.shutdown()
             raise

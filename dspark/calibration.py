@@ -4,6 +4,13 @@ The scheduler needs absolute survival probabilities ``prod_{i<=k} c_i``, not jus
 STS calibrates left to right: at position k a 1-D grid search picks the temperature T_k that
 minimises the expected calibration error (ECE) of the cumulative product, with positions < k
 already calibrated and fixed. Temperature scaling keeps the ordering of the confidences.
+
+What it is fitted to (``trainer.heldout_statistics``): the analytic acceptance 1 - 1/2 ||p_draft - p_target||_1 of
+each held-out position, i.e. the exact probability that token-wise rejection sampling at temperature 1 (no top-k /
+top-p) accepts that position given the true prefix -- not observed accept/reject events of served traffic, which also
+depend on the temperature, truncation and block verification in use. The expected value is the same quantity an
+observed 0/1 outcome estimates at T=1 (ECE accepts either), but served at other temperatures the calibration is off
+by however much acceptance there differs.
 """
 
 from __future__ import annotations

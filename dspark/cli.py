@@ -96,6 +96,25 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    """Rewrite a draft checkpoint in the layout vLLM reads (legacy exports of this project included)."""
+    import torch
+    from safetensors import safe_open
+
+    from dspark.checkpoint import load_draft, save_draft
+
+    src = Path(args.draft)
+    draft = load_draft(src, dtype=torch.float64)  # every stored dtype round-trips through float64 exactly
+    if args.dtype:
+        dtype = getattr(torch, args.dtype)
+    else:  # keep the stored dtype
+        with safe_open(str(src / "model.safetensors"), "pt") as f:
+            dtype = f.get_tensor(next(iter(f.keys()))).dtype
+    save_draft(draft, args.out, dtype=dtype, layout=args.layout)
+    print(f"wrote {args.out} ({args.layout or 'layout by attention kind'}, {dtype})")
+    return 0
+
+
 def _client(args) -> int:
     import os
 
@@ -171,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
     from dspark import loadtest
 
     loadtest.add_parser(sub)
+    conv = sub.add_parser("convert", help="rewrite a draft checkpoint in the layout vLLM reads (speculators dspark "
+                                          "for GQA heads, k3_dspark for MLA; legacy exports of this project too)")
+    conv.add_argument("draft", help="draft checkpoint directory (config.json + model.safetensors)")
+    conv.add_argument("--out", required=True, help="output directory (may be the input directory)")
+    conv.add_argument("--layout", choices=["speculators", "k3_dspark"], default=None)
+    conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                      help="weights dtype (default: the stored one)")
+    conv.set_defaults(func=_convert)
     prep = sub.add_parser("prepare", help="convert the embedded default target (SmolLM2-135M-Instruct) once")
     prep.add_argument("--out", default=None, help="checkpoint directory (default ~/.cache/dspark/...)")
     prep.add_argument("--force", action="store_true", help="convert again even if already prepared")

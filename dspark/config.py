@@ -105,7 +105,7 @@ class DecoderConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    rope_interleave: bool = False  # DeepSeek lays rotary dims out in (even, odd) pairs
+    rope_interleave: bool = False  # rotary dims in (even, odd) pairs: DeepSeek MLA, or GQA with is_neox_style false
     # Mixture of experts (DeepSeek-V3 / Kimi): used when n_routed_experts > 0, from layer first_k_dense_replace on.
     n_routed_experts: int = 0
     n_shared_experts: int = 0
@@ -117,6 +117,11 @@ class DecoderConfig:
     norm_topk_prob: bool = True
     first_k_dense_replace: int = 0
     model_type: str = "llama"
+    # Per-layer attention kind (transformers' layer_types): "sliding_attention" layers see the last sliding_window
+    # positions. In a DSpark draft such a layer is also causal inside the block, as vLLM runs it
+    # (qwen3_dflash.py: _resolve_layer_attention); the native target engine does not implement windows.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "vocab_size"):
@@ -136,6 +141,13 @@ class DecoderConfig:
                     raise ConfigError(name, "must be positive for MLA attention")
         else:
             raise ConfigError("attention", f"must be 'gqa' or 'mla', got {self.attention!r}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers or set(self.layer_types) - {"full_attention",
+                                                                                     "sliding_attention"}:
+                raise ConfigError("layer_types", f"needs {self.num_layers} entries of full_attention / "
+                                                 f"sliding_attention, got {list(self.layer_types)}")
+            if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
+                raise ConfigError("sliding_window", "sliding_attention layers need a positive sliding_window")
         if self.n_routed_experts:
             if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
                 raise ConfigError("num_experts_per_tok", f"must be in [1, n_routed_experts={self.n_routed_experts}]")
@@ -149,6 +161,10 @@ class DecoderConfig:
     def from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
         """Read a Hugging Face decoder config (llama, mistral, qwen2, qwen3, deepseek_v3 attention)."""
         model_type = hf.get("model_type", "llama")
+        if model_type in ("kimi_k3", "kimi_linear"):
+            from dspark.kimi_k3 import NATIVE_REFUSAL
+
+            raise ConfigError("model_type", f"{model_type!r}: {NATIVE_REFUSAL}")
         known = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3", "kimi_k2")
         if model_type not in known:
             raise ConfigError("model_type", f"{model_type!r} is not supported (supported: {', '.join(known)})")
@@ -177,7 +193,10 @@ class DecoderConfig:
             qk_nope_head_dim=hf.get("qk_nope_head_dim", 0) or 0,
             qk_rope_head_dim=hf.get("qk_rope_head_dim", 0) or 0,
             v_head_dim=hf.get("v_head_dim", 0) or 0,
-            rope_interleave=bool(hf.get("rope_interleave", model_type in ("deepseek_v3", "kimi_k2"))),
+            # rotary pairs (x0, x1), (x2, x3), ...: DeepSeek's rope_interleave (MLA), or vLLM's is_neox_style false
+            # (GPT-J style) on a GQA draft; Hugging Face / neox rotate halves
+            rope_interleave=(bool(hf.get("rope_interleave", model_type in ("deepseek_v3", "kimi_k2"))) if mla
+                             else not bool(hf.get("is_neox_style", True))),
             n_routed_experts=hf.get("n_routed_experts") or 0,
             n_shared_experts=hf.get("n_shared_experts") or 0,
             moe_intermediate_size=hf.get("moe_intermediate_size") or 0,
@@ -188,6 +207,9 @@ class DecoderConfig:
             norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
             first_k_dense_replace=hf.get("first_k_dense_replace", 0) or 0,
             model_type=model_type,
+            layer_types=tuple(hf.get("layer_types") or ()),
+            sliding_window=int(hf.get("sliding_window") or 0) if "sliding_attention" in (hf.get("layer_types") or ())
+            else 0,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -209,6 +231,10 @@ class DecoderConfig:
             "hidden_act": "silu",
             "tie_word_embeddings": self.tie_word_embeddings,
         }
+        if self.attention == "gqa":
+            out["is_neox_style"] = not self.rope_interleave
+        if self.is_sliding(None):
+            out.update(layer_types=list(self.layer_types), sliding_window=self.sliding_window)
         if self.attention == "mla":
             out.update(
                 q_lora_rank=self.q_lora_rank,
@@ -227,6 +253,12 @@ class DecoderConfig:
                 scoring_func="sigmoid", topk_method="noaux_tc",
             )
         return out
+
+    def is_sliding(self, layer: int | None) -> bool:
+        """Layer ``layer`` (None: any layer) attends through a sliding window."""
+        if layer is None:
+            return "sliding_attention" in self.layer_types
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
     @property
     def qk_head_dim(self) -> int:
@@ -252,11 +284,19 @@ class DraftConfig:
     backbone: DecoderConfig
     target_hidden_size: int
     target_layer_ids: tuple[int, ...]
-    block_size: int = 7
+    block_size: int = 7  # gamma: tokens drafted per round (on disk: speculative_tokens; see ``num_slots``)
     mask_token_id: int = 0
     markov_rank: int = 256
-    enable_markov_head: bool = True
+    enable_markov_head: bool = True  # on disk: markov_rank 0 when False (speculators' "no Markov head")
+    markov_head_type: str = "vanilla"  # speculators' vanilla | gated | rnn (see draft_model.MarkovHead)
     enable_confidence_head: bool = True
+    confidence_with_markov: bool = True  # the confidence head also reads W1[x_{k-1}] (when there is a Markov head)
+    # Block layout. True (DSpark's own, the paper's): anchor + gamma-1 masks, every slot predicts the next token.
+    # False (DFlash's fill-in layout): anchor + gamma masks, the anchor is only context, each mask predicts itself.
+    sample_from_anchor: bool = True
+    # Reduced draft vocabulary (speculators' d2t/t2d): 0 = the full vocabulary; else the draft's own LM head
+    # and the Markov head's output cover these ids, mapped to target ids by ``d2t``.
+    draft_vocab_size: int = 0
     # Sequential Temperature Scaling of the confidence head, one temperature per position.
     confidence_temperatures: tuple[float, ...] = ()
     verifier_name_or_path: str = ""
@@ -271,6 +311,11 @@ class DraftConfig:
             raise ConfigError("aux_hidden_state_layer_ids", "layer ids must be >= 0")
         if self.enable_markov_head and self.markov_rank <= 0:
             raise ConfigError("markov_rank", f"must be positive, got {self.markov_rank}")
+        if self.markov_head_type not in ("vanilla", "gated", "rnn"):
+            raise ConfigError("markov_head_type", f"must be vanilla, gated or rnn, got {self.markov_head_type!r}")
+        if list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
+            raise ConfigError("aux_hidden_state_layer_ids", f"{list(self.target_layer_ids)} must be strictly "
+                                                            "increasing (vLLM concatenates the states in layer order)")
         if not 0 <= self.mask_token_id < self.backbone.vocab_size:
             raise ConfigError("mask_token_id", f"{self.mask_token_id} outside vocabulary")
         if self.confidence_temperatures and len(self.confidence_temperatures) != self.block_size:
@@ -281,10 +326,35 @@ class DraftConfig:
             )
         if any(t <= 0 for t in self.confidence_temperatures):
             raise ConfigError("confidence_temperatures", "temperatures must be positive")
+        if not 0 <= self.draft_vocab_size <= self.backbone.vocab_size:
+            raise ConfigError("draft_vocab_size", f"{self.draft_vocab_size} must be in [1, vocab_size="
+                                                  f"{self.backbone.vocab_size}] (0: the full vocabulary)")
 
     @property
     def num_feature_layers(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def num_slots(self) -> int:
+        """Input slots of one block: gamma (anchor-as-first) or gamma + 1 (the anchor does not predict)."""
+        return self.block_size + (0 if self.sample_from_anchor else 1)
+
+    @property
+    def first_prediction_slot(self) -> int:
+        return 0 if self.sample_from_anchor else 1
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Rows of the draft's logits: the reduced vocabulary, or the full one."""
+        return self.draft_vocab_size or self.backbone.vocab_size
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return 0 < self.draft_vocab_size < self.backbone.vocab_size
+
+    @property
+    def confidence_reads_markov(self) -> bool:
+        return self.enable_markov_head and self.confidence_with_markov
 
 
 # One set of bounds for every front door (HTTP, gRPC, CLI; dspark/schema.py and deploy/openai_protocol.py use these)

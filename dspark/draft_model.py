@@ -49,19 +49,56 @@ class DraftProposal:
 
 
 class MarkovHead(nn.Module):
-    """Low-rank first-order transition bias B(x_{k-1}, .) = W1[x_{k-1}] @ W2."""
+    """The sequential stage's logit bias from the previous token, as speculators defines it.
 
-    def __init__(self, vocab_size: int, rank: int):
+    ``vanilla``: B(x_{k-1}, .) = W2 e_k with e_k = W1[x_{k-1}] (low-rank first-order transitions).
+    ``gated``: W2 (g_k * e_k), g_k = sigmoid(gate_proj([h_k; e_k])).
+    ``rnn``: a gated recurrence over the block, state s_0 = 0:
+    [a, c, o] = joint_proj([s_{k-1}; e_k; h_k]), s_k = sigmoid(a) s_{k-1} + (1 - sigmoid(a)) tanh(c), bias W2 tanh(o).
+    W1 is indexed by target token ids; W2 maps to the draft's output vocabulary (reduced or full).
+    """
+
+    def __init__(self, vocab_size: int, rank: int, output_vocab_size: int | None = None, kind: str = "vanilla",
+                 hidden_size: int = 0):
         super().__init__()
+        self.kind, self.rank = kind, rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, output_vocab_size or vocab_size, bias=False)
         nn.init.normal_(self.markov_w1.weight, std=0.02)
         nn.init.zeros_(self.markov_w2.weight)  # starts as the plain parallel drafter
+        if kind == "gated":
+            self.gate_proj = nn.Linear(hidden_size + rank, rank)
+        elif kind == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
-    def forward(self, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # prev_tokens: [...] -> (bias [..., V], markov embedding [..., r])
-        embedding = self.markov_w1(prev_tokens)
-        return self.markov_w2(embedding), embedding
+    def step(
+        self,
+        embedding: torch.Tensor,  # [..., r] W1[x_{k-1}]
+        hidden: torch.Tensor,  # [..., hidden] h_k
+        state: torch.Tensor | None,  # [..., r] the rnn state before position k (None: zeros)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # the vector W2 reads [..., r], the state after position k
+        if self.kind == "gated":
+            gate = torch.sigmoid(self.gate_proj(torch.cat((hidden.to(embedding.dtype), embedding), dim=-1)))
+            return gate * embedding, None
+        if self.kind == "rnn":
+            state = torch.zeros_like(embedding) if state is None else state
+            a, c, o = self.joint_proj(torch.cat((state, embedding, hidden.to(embedding.dtype)), dim=-1)).chunk(3, -1)
+            keep = torch.sigmoid(a)
+            return torch.tanh(o), keep * state + (1 - keep) * torch.tanh(c)
+        return embedding, None
+
+    def block(
+        self,
+        embedding: torch.Tensor,  # [..., G, r] teacher-forced W1[x_{k-1}] at every block position
+        hidden: torch.Tensor,  # [..., G, hidden]
+    ) -> torch.Tensor:  # [..., G, r] the vectors W2 reads
+        if self.kind != "rnn":
+            return self.step(embedding, hidden, None)[0]
+        state, out = None, []
+        for k in range(embedding.shape[-2]):
+            mixed, state = self.step(embedding[..., k, :], hidden[..., k, :], state)
+            out.append(mixed)
+        return torch.stack(out, dim=-2)
 
 
 class ConfidenceHead(nn.Module):
@@ -83,15 +120,35 @@ class DSparkDraft(nn.Module):
         self.hidden_norm = RMSNorm(bb.hidden_size, bb.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(bb) for _ in range(bb.num_layers))
         self.norm = RMSNorm(bb.hidden_size, bb.rms_norm_eps)
-        self.markov_head = MarkovHead(bb.vocab_size, cfg.markov_rank) if cfg.enable_markov_head else None
-        conf_in = bb.hidden_size + (cfg.markov_rank if cfg.enable_markov_head else 0)
+        out_vocab = cfg.output_vocab_size
+        self.markov_head = (MarkovHead(bb.vocab_size, cfg.markov_rank, out_vocab, cfg.markov_head_type, bb.hidden_size)
+                            if cfg.enable_markov_head else None)
+        conf_in = bb.hidden_size + (cfg.markov_rank if cfg.confidence_reads_markov else 0)
         self.confidence_head = ConfidenceHead(conf_in) if cfg.enable_confidence_head else None
         temps = cfg.confidence_temperatures or (1.0,) * cfg.block_size
         self.register_buffer("confidence_temperatures", torch.tensor(temps), persistent=False)
+        # The draft's own embedding / LM head, when its checkpoint ships them (a reduced vocabulary must ship its
+        # LM head: the target's covers the full vocabulary); otherwise the target's are shared.
+        self.own = nn.ModuleDict()
+        if cfg.reduced_vocab:
+            self.own["lm_head"] = nn.Linear(bb.hidden_size, out_vocab, bias=False)
+            # speculators' d2t: target id = draft id + d2t[draft id]; t2d: which target ids the draft can emit
+            self.register_buffer("d2t", torch.zeros(out_vocab, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(bb.vocab_size, dtype=torch.bool))
         self._shared: dict[str, nn.Module] = {}  # target embedding and LM head: never parameters of ours
 
+    def add_own(self, name: str) -> None:
+        """Give the draft its own ``embed_tokens`` or ``lm_head`` (a checkpoint that ships one)."""
+        bb = self.config.backbone
+        if name == "embed_tokens":
+            self.own[name] = nn.Embedding(bb.vocab_size, bb.hidden_size)
+        elif name == "lm_head":
+            self.own[name] = nn.Linear(bb.hidden_size, self.config.output_vocab_size, bias=False)
+        else:
+            raise ValueError(name)
+
     def bind_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> DSparkDraft:
-        """Share the target's (frozen) embedding and LM head."""
+        """Share the target's (frozen) embedding and LM head (the draft's own ones, if any, take precedence)."""
         if embed_tokens.weight.shape[1] != self.config.backbone.hidden_size:
             raise ValueError(
                 f"target hidden size {embed_tokens.weight.shape[1]} != draft hidden size "
@@ -102,11 +159,40 @@ class DSparkDraft(nn.Module):
 
     @property
     def embed_tokens(self) -> nn.Embedding:
-        return self._shared["embed_tokens"]
+        return self.own["embed_tokens"] if "embed_tokens" in self.own else self._shared["embed_tokens"]
 
     @property
     def lm_head(self) -> nn.Linear:
-        return self._shared["lm_head"]
+        return self.own["lm_head"] if "lm_head" in self.own else self._shared["lm_head"]
+
+    def block_inputs(
+        self,
+        anchors: torch.Tensor,  # [B] last committed token of each sequence
+        anchor_positions: torch.Tensor,  # [B] its position
+        num_tokens: int,  # gamma: tokens to draft (<= config.block_size)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # block ids [B, S], positions [B, S]; S = num_tokens (+1, see layout)
+        """The block fed to ``backbone``: the anchor, then mask tokens, in the checkpoint's layout."""
+        slots = num_tokens + self.config.first_prediction_slot
+        offsets = torch.arange(slots, device=anchors.device)
+        block_ids = torch.full((len(anchors), slots), self.config.mask_token_id, device=anchors.device)
+        block_ids[:, 0] = anchors
+        return block_ids, anchor_positions[:, None] + offsets[None, :]
+
+    def predicting(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [B, S, hidden] from ``backbone`` -> [B, gamma, hidden]: the slots predicting tokens 1..gamma
+        return hidden[:, self.config.first_prediction_slot:]
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [...] draft-vocabulary ids -> target ids
+        return ids + self.d2t[ids] if self.config.reduced_vocab else ids
+
+    def to_target_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        # probs: [..., V_draft] -> [..., V] (zero on target ids outside the draft vocabulary)
+        if not self.config.reduced_vocab:
+            return probs
+        columns = torch.arange(probs.shape[-1], device=probs.device) + self.d2t
+        out = probs.new_zeros(*probs.shape[:-1], self.config.backbone.vocab_size)
+        return out.index_copy_(-1, columns, probs)
 
     def make_cache(self, num_tokens: int, block_size: int) -> PagedKVCache:
         bb = self.config.backbone  # MLA drafts cache the latent only, like MLA targets
@@ -134,6 +220,15 @@ class DSparkDraft(nn.Module):
         """
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
         batch, block = block_ids.shape
+        bb = self.config.backbone
+        block_mask = torch.ones(batch, block, block, dtype=torch.bool, device=x.device)
+        window_masks = None
+        if bb.is_sliding(None):  # sliding layers: a window over context and block, causal inside the block
+            key_positions = (context_positions.expand(batch, -1) if cache is None
+                             else torch.arange(meta.read_slots.shape[1], device=x.device)[None].expand(batch, -1))
+            ctx_window = self._window(block_positions, key_positions)
+            window_masks = (ctx_window, self._window(block_positions, block_positions)
+                            & (block_positions[:, None, :] <= block_positions[:, :, None]))
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -152,11 +247,19 @@ class DSparkDraft(nn.Module):
                 ctx_valid = meta.key_valid
             keys = torch.cat((k_ctx.to(k_block.dtype), k_block), dim=1)
             values = torch.cat((v_ctx.to(v_block.dtype), v_block), dim=1)
-            mask = torch.cat((ctx_valid[:, None, :].expand(-1, block, -1),
-                              torch.ones(batch, block, block, dtype=torch.bool, device=x.device)), dim=-1)
+            ctx_mask = ctx_valid[:, None, :].expand(-1, block, -1)
+            own_mask = block_mask
+            if window_masks is not None and bb.is_sliding(index):
+                ctx_mask, own_mask = ctx_mask & window_masks[0], window_masks[1]
+            mask = torch.cat((ctx_mask, own_mask), dim=-1)
             x = x + attn.attend(q, keys, values, mask)
             x = layer.feed_forward(x)
         return self.norm(x)
+
+    def _window(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        # query_positions: [B, Q], key_positions: [B, K] -> [B, Q, K] bool: key within the sliding window
+        distance = query_positions[:, :, None] - key_positions[:, None, :]
+        return distance < self.config.backbone.sliding_window
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [..., hidden] -> [..., V] float32
@@ -166,25 +269,32 @@ class DSparkDraft(nn.Module):
         self,
         base_logits: torch.Tensor,  # [..., V]
         hidden: torch.Tensor,  # [..., hidden]
-        prev_tokens: torch.Tensor,  # [...] token before each position (anchor for position 1)
+        prev_tokens: torch.Tensor,  # [...] token before each position (anchor for position 1), target ids
         position: torch.Tensor | int | slice,  # 0-based block position(s) for the calibration temperature
         candidates: torch.Tensor | None = None,  # [..., C] vocabulary ids of base_logits (None: all V)
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [..., V or C], confidence logit [...] (calibrated)
-        """The sequential stage at one or many positions (teacher-forced in training)."""
-        logits, markov_embedding = base_logits, None
+        state: torch.Tensor | None = None,  # [..., r] rnn head: the state before this position
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # logits [..., V or C], confidence logit [...], state
+        """The sequential stage at one position (``state`` carried by the caller), or teacher-forced over a whole
+        block when ``position`` is a slice (training: ``[..., G, ...]`` inputs)."""
+        logits, embedding = base_logits, None
         if self.markov_head is not None:
+            embedding = self.markov_head.markov_w1(prev_tokens)  # [..., r]
+            if isinstance(position, slice):
+                mixed = self.markov_head.block(embedding, hidden)
+            else:
+                mixed, state = self.markov_head.step(embedding, hidden, state)
             if candidates is None:
-                bias, markov_embedding = self.markov_head(prev_tokens)
+                bias = self.markov_head.markov_w2(mixed)
             else:  # the bias of the candidate tokens only: W2 rows gathered, not the whole vocabulary
-                markov_embedding = self.markov_head.markov_w1(prev_tokens)
                 w2 = self.markov_head.markov_w2.weight[candidates]  # [..., C, r]
-                bias = (w2 @ markov_embedding[..., None])[..., 0]
+                bias = (w2 @ mixed[..., None])[..., 0]
             logits = base_logits + bias.float()
         if self.confidence_head is None:
-            return logits, torch.full(logits.shape[:-1], 30.0)
-        features = hidden if markov_embedding is None else torch.cat((hidden, markov_embedding), dim=-1)
+            return logits, logits.new_full(logits.shape[:-1], 30.0), state
+        # the confidence head reads the raw W1[x_{k-1}] for every Markov head type (speculators, vLLM, SGLang)
+        features = torch.cat((hidden, embedding), dim=-1) if self.config.confidence_reads_markov else hidden
         conf_logit = self.confidence_head(features).float() / self.confidence_temperatures[position]
-        return logits, conf_logit
+        return logits, conf_logit, state
 
     @torch.inference_mode()
     def propose(
@@ -206,11 +316,11 @@ class DSparkDraft(nn.Module):
         if 0 < prefilter_k < vocab:
             base, candidates = base.topk(min(vocab, 4 * prefilter_k), dim=-1)  # [B, G, C]
         tokens, probs, confidences = [], [], []
-        prev = anchors
+        prev, state = anchors, None
         uniforms = sampling.uniforms(hidden.shape[1])  # [B, G]
         for k in range(hidden.shape[1]):
             cand = None if candidates is None else candidates[:, k]
-            logits, conf_logit = self.position_logits(base[:, k], hidden[:, k], prev, k, cand)
+            logits, conf_logit, state = self.position_logits(base[:, k], hidden[:, k], prev, k, cand, state)
             local_probs = logits_to_probs(logits, sampling, prefilter_k)
             choice = sample_from(local_probs, uniforms[:, k])
             if cand is None:
@@ -218,7 +328,8 @@ class DSparkDraft(nn.Module):
             else:
                 draft_probs = local_probs.new_zeros(len(choice), vocab).scatter_(-1, cand, local_probs)
                 prev = cand.gather(1, choice[:, None])[:, 0]
+            prev = self.to_target_ids(prev)  # the Markov head's W1 and the verifier read target ids
             tokens.append(prev)
-            probs.append(draft_probs)
+            probs.append(self.to_target_probs(draft_probs))
             confidences.append(torch.sigmoid(conf_logit))
         return DraftProposal(torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(confidences, 1))

@@ -112,19 +112,20 @@ class DSparkDrafter:
         for rid, start, n, anchor_pos in zip(ids, starts, new, inputs.anchor_positions.tolist()):
             if start + n != anchor_pos:
                 raise RuntimeError(f"request {rid}: draft context out of step ({start} + {n} rows != {anchor_pos})")
-        meta = alloc.metadata(ids, starts, new, causal=False, device=self.model.fc.weight.device)
+        device = self.model.fc.weight.device
+        meta = alloc.metadata(ids, starts, new, causal=False, device=device)
         width, c_max = self.model.fc.in_features, max(max(new), 0)
-        features = torch.zeros(len(ids), c_max, width, dtype=self.model.fc.weight.dtype)
+        features = torch.zeros(len(ids), c_max, width, dtype=self.model.fc.weight.dtype, device=device)
         for b, rows in enumerate(pending):
             if rows:
-                features[b, : new[b]] = torch.cat(rows).to(features.dtype)
-        positions = torch.tensor(starts)[:, None] + torch.arange(c_max)[None, :]
-        block_positions = inputs.anchor_positions[:, None] + torch.arange(self.block_size)[None, :]
-        block_ids = torch.full((len(ids), self.block_size), self.mask_token_id)
-        block_ids[:, 0] = inputs.anchors
+                features[b, : new[b]] = torch.cat(rows).to(features)
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(c_max, device=device)[None, :]
+        anchors = inputs.anchors.to(device)
+        block_ids, block_positions = self.model.block_inputs(anchors, inputs.anchor_positions.to(device),
+                                                             self.block_size)
         hidden = self.model.backbone(block_ids, block_positions, self.model.fuse(features), positions,
                                      self.cache, meta)
-        return self.model.propose(hidden, inputs.anchors, sampling, self.prefilter_k)
+        return self.model.propose(self.model.predicting(hidden), anchors, sampling, self.prefilter_k)
 
     @torch.inference_mode()
     def round_seconds(self, context: int = 64, repeats: int = 3) -> float:
@@ -132,15 +133,15 @@ class DSparkDrafter:
         m = self.model
         dtype, device = m.fc.weight.dtype, m.fc.weight.device
         features = torch.zeros(1, context, m.fc.in_features, dtype=dtype, device=device)
-        pos = torch.arange(context)[None]
-        block = torch.full((1, self.block_size), self.mask_token_id)
-        block_pos = context + torch.arange(self.block_size)[None]
+        pos = torch.arange(context, device=device)[None]
+        anchor = torch.full((1,), self.mask_token_id, device=device)
+        block, block_pos = m.block_inputs(anchor, torch.full((1,), context, device=device), self.block_size)
         sampling = SamplingTensors(torch.ones(1), torch.ones(1), torch.zeros(1, dtype=torch.long),
                                    [torch.Generator().manual_seed(0)])
         best = float("inf")
         for _ in range(repeats + 1):
             start = time.perf_counter()
             hidden = m.backbone(block, block_pos, m.fuse(features), pos, None, None)
-            m.propose(hidden, block[:, 0], sampling, self.prefilter_k)
+            m.propose(m.predicting(hidden), anchor, sampling, self.prefilter_k)
             best = min(best, time.perf_counter() - start)
         return best

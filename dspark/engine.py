@@ -83,7 +83,8 @@ class Engine:
         if self.drafter is not None:
             bad = [i for i in feature_layers if i >= num_layers]
             if bad:
-                raise ConfigError("aux_hidden_state_layer_ids", f"{bad} beyond the target's {num_layers} layers")
+                raise ConfigError("aux_hidden_state_layer_ids", f"outputs of layers {bad} requested from a target "
+                                                                f"with {num_layers} layers")
         if isinstance(target, TargetModel):
             cache = target.make_cache(config.kv_cache_tokens, config.kv_block_size)
             target = TargetRunner(target, cache, feature_layers if self.drafter else (), config.verification)
@@ -338,6 +339,7 @@ class Engine:
             sampling=SamplingTensors(sampling.temperature, sampling.top_p, sampling.top_k, []),
             uniforms=sampling.uniforms(block + 2, None if round_.drafted is None else (~round_.drafted).tolist()),
             want_features=torch.tensor([r.speculative and self.drafter is not None for r in requests]),
+            all_greedy=greedy,
         )
 
     def _commit(self, round_: _Round, output: VerifyOutput) -> None:

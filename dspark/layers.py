@@ -186,6 +186,7 @@ class GQAAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rope)
+        self.interleave = cfg.rope_interleave  # vLLM's is_neox_style false
         self.scale = self.head_dim**-0.5
 
     def project_q(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -194,7 +195,7 @@ class GQAAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
         cos, sin = self.rotary(positions, q.dtype)
-        return apply_rotary(q, cos, sin)
+        return apply_rotary(q, cos, sin, self.interleave)
 
     def project_kv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # h: [B, T, hidden], positions: [B, T] -> k, v: [B, T, Hkv, D]
@@ -203,7 +204,7 @@ class GQAAttention(nn.Module):
         if self.k_norm is not None:
             k = self.k_norm(k)
         cos, sin = self.rotary(positions, k.dtype)
-        return apply_rotary(k, cos, sin), v
+        return apply_rotary(k, cos, sin, self.interleave), v
 
     def attend(self, q, k, v, mask) -> torch.Tensor:
         return self.o_proj(attend(q, k, v, mask, self.scale))
@@ -238,8 +239,10 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=cfg.attention_bias)
+        # DeepSeek YaRN (HF DeepseekV3, vLLM deepseek_scaling_rope.py + kimi_k3 mla.py): cos/sin carry
+        # mscale(f, mscale) / mscale(f, mscale_all_dim) -- 1 only when the two are equal -- and the softmax scale
+        # carries mscale(f, mscale_all_dim) squared
         self.rotary = RotaryEmbedding(self.rope_dim, cfg.rope)
-        self.rotary.attention_scaling = 1.0  # YaRN's mscale goes into the softmax scale for MLA
         self.interleave = cfg.rope_interleave
         self.scale = qk_dim**-0.5
         if cfg.rope.scaling_type == "yarn" and cfg.rope.mscale_all_dim:

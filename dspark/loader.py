@@ -18,11 +18,13 @@ from dspark.target_model import DTYPES, TargetModel
 log = logging.getLogger("dspark")
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    """The target's tokenizer; ``trust_remote_code`` runs the tokenizer code shipped beside it (Kimi's tiktoken
+    tokenizer needs it, as ``vllm serve --trust-remote-code`` does)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ConfigError("target.path", f"cannot load a tokenizer from {path}: {exc}") from None
 
@@ -51,7 +53,7 @@ def build_engine(cfg: EngineFileConfig, speculate: bool | None = None) -> Engine
     if speculate is not None:
         engine_cfg = replace(engine_cfg, speculate=speculate)
     target = load_target(target_path, cfg.target.dtype, fp8_weights=cfg.target.fp8_mode(on_gpu=False))
-    tokenizer = load_tokenizer(target_path)
+    tokenizer = load_tokenizer(target_path, cfg.target.trust_remote_code)
     drafter = build_drafter(cfg, target, engine_cfg)
     layers = drafter.model.config.target_layer_ids if drafter else ()
     engine = Engine(target, tokenizer, drafter, engine_cfg, feature_layers=layers)

@@ -37,6 +37,13 @@ class SamplingTensors:
     def greedy(self) -> torch.Tensor:  # [B] bool
         return self.temperature < GREEDY_BELOW
 
+    def to(self, device: torch.device) -> SamplingTensors:
+        """The parameter tensors on ``device`` (the generators stay on the CPU: draws are the same everywhere)."""
+        if self.temperature.device == device:
+            return self
+        return SamplingTensors(self.temperature.to(device), self.top_p.to(device), self.top_k.to(device),
+                               self.generators)
+
     def repeat(self, n: int) -> SamplingTensors:
         """Each row repeated n times (row b -> rows b*n .. b*n+n-1), for per-position processing."""
         return SamplingTensors(
@@ -74,7 +81,7 @@ def _truncate_sorted(
     them); with it, rows without top-k are normalised over the full vocabulary, so a top-p cut
     that falls inside the candidates is exactly the full-vocabulary cut.
     """
-    rank = torch.arange(sorted_logits.shape[-1])[None, :]
+    rank = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)[None, :]
     keep_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
     masked = sorted_logits.masked_fill(~keep_k, float("-inf"))
     lse = torch.logsumexp(masked, dim=-1)
@@ -114,6 +121,7 @@ def logits_to_probs(
 ) -> torch.Tensor:  # [N, V] float32, rows sum to 1
     """The exact distribution a row's token is sampled from."""
     logits = logits.float()
+    params = params.to(logits.device)
     greedy = params.greedy
     temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
     scaled = logits / temperature[:, None]
@@ -125,10 +133,8 @@ def logits_to_probs(
         values, index, full_lse = _candidates(scaled, params)
     truncated = _truncate_sorted(values, params.top_p, params.top_k, full_lse)
     probs = torch.zeros_like(scaled).scatter_(-1, index, truncated)
-    if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], one_hot, probs)
-    return probs
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)  # no branch on the device's answer
 
 
 def sample_from(
@@ -137,7 +143,7 @@ def sample_from(
 ) -> torch.Tensor:  # [N] int64 token ids
     """Inverse-CDF sampling: one uniform per row, only tokens with positive mass can come out."""
     cdf = probs.cumsum(-1)
-    target = uniforms * cdf[:, -1]
+    target = uniforms.to(cdf) * cdf[:, -1]
     index = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
     # rounding can push the draw past the last positive-mass token: fall back to that token
     last_positive = (probs > 0).long().cumsum(-1).argmax(-1)

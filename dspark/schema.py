@@ -44,6 +44,10 @@ class TargetSpec(_Strict):
     architecture: str | None = Field(None, description="A config.json describing the target, for sizing and "
                                                        "validating a deployment before its weights are on this "
                                                        "machine (default: the one in path).")
+    trust_remote_code: bool = Field(
+        False, description="Run the Python code shipped with the target checkpoint (its tokenizer or model "
+                           "classes), as vLLM's --trust-remote-code. Needed by Kimi's tiktoken tokenizer; only "
+                           "for checkpoints you trust.")
     fp8_weights: Literal["auto", "load", "matmul"] = Field(
         "auto", description="FP8 block-quantised checkpoints: 'load' dequantises into dtype once at load (fast "
                             "on CPUs, twice the memory of FP8 for bf16), 'matmul' keeps one byte per weight and "

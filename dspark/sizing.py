@@ -25,6 +25,17 @@ from pathlib import Path
 
 from dspark.checkpoint import draft_config_from_json
 from dspark.config import DecoderConfig, DraftConfig
+from dspark.kimi_k3 import MODEL_TYPES as KIMI_K3_TYPES
+from dspark.kimi_k3 import KimiK3Config
+
+TargetShape = DecoderConfig | KimiK3Config
+
+
+def read_target_architecture(data: dict) -> TargetShape:
+    """A target config.json: a dense / MLA / MoE decoder, or Kimi-K3's hybrid (sized here, served by vLLM)."""
+    if data.get("model_type") in KIMI_K3_TYPES:
+        return KimiK3Config.from_hf(data)
+    return DecoderConfig.from_hf(data)
 
 GIB = 1 << 30
 
@@ -40,6 +51,7 @@ class Sizing:
     draft_kv_bytes_per_token: float
     feature_bytes_per_token: float
     feature_bytes_per_step: float
+    target_state_bytes_per_sequence_per_gpu: float = 0.0  # linear-attention (KDA) state: fixed per sequence
 
 
 def _attention_params(cfg: DecoderConfig) -> tuple[float, float]:
@@ -58,9 +70,11 @@ def _attention_params(cfg: DecoderConfig) -> tuple[float, float]:
     return 0.0, q + kv + cfg.num_heads * cfg.head_dim * h
 
 
-def target_sizing(cfg: DecoderConfig, gpus: int, expert_parallel: bool, weight_bytes: float = 1.0,
+def target_sizing(cfg: TargetShape, gpus: int, expert_parallel: bool, weight_bytes: float = 1.0,
                   kv_bytes: float = 2.0) -> tuple[float, float, float]:
     """(total parameters, weight bytes per GPU, KV bytes per token per GPU)."""
+    if isinstance(cfg, KimiK3Config):
+        return (*cfg.weights(gpus, expert_parallel, weight_bytes), cfg.kv_bytes_per_token(kv_bytes))
     h, layers = cfg.hidden_size, cfg.num_layers
     replicated = 2 * cfg.vocab_size * h + h  # embedding, LM head, final norm (bf16 in practice, counted below)
     per_gpu = 0.0
@@ -104,13 +118,14 @@ def draft_sizing(draft: DraftConfig, dtype_bytes: float = 2.0) -> tuple[float, f
     return weights, kv
 
 
-def sizing(target: DecoderConfig, draft: DraftConfig, gpus: int, expert_parallel: bool, batch: int,
+def sizing(target: TargetShape, draft: DraftConfig, gpus: int, expert_parallel: bool, batch: int,
            tau: float, weight_bytes: float = 1.0) -> Sizing:
     total, per_gpu, kv = target_sizing(target, gpus, expert_parallel, weight_bytes)
     draft_weights, draft_kv = draft_sizing(draft)
     feature = len(draft.target_layer_ids) * target.hidden_size * 2.0  # bf16 hidden states per committed token
+    state = (target.state_bytes_per_sequence(draft.block_size) / gpus if isinstance(target, KimiK3Config) else 0.0)
     return Sizing(gpus, expert_parallel, total, per_gpu, kv, draft_weights, draft_kv, feature,
-                  feature * batch * tau)
+                  feature * batch * tau, state)
 
 
 def _read(path: str | Path) -> dict:
@@ -121,7 +136,7 @@ def _read(path: str | Path) -> dict:
 class Deployment:
     """What a serving YAML says about one replica, for sizing."""
 
-    target: DecoderConfig
+    target: TargetShape
     draft: DraftConfig | None
     gpus: int
     expert_parallel: bool
@@ -143,11 +158,12 @@ def deployment_from_config(path: str | Path) -> Deployment:
     config = load_engine_config(path)
     target_json = _architecture(config, config.target)
     draft = draft_config_from_json(_architecture(config, config.draft)) if config.draft.path else None
-    quant = target_json.get("quantization_config") or {}
+    quant = (target_json.get("quantization_config") or (target_json.get("text_config") or {}).get(
+        "quantization_config") or {})  # Kimi-K3 keeps it in text_config (vLLM copies it up)
     fp8_resident = quant.get("quant_method") == "fp8" and config.target.fp8_mode(
         on_gpu=config.runtime.shard_gpus > 0) == "matmul"  # dequantised at load, FP8 weights take dtype's bytes
     weight_bytes = 1.0 if fp8_resident else {"float32": 4.0, "float64": 8.0}.get(config.target.dtype, 2.0)
-    return Deployment(DecoderConfig.from_hf(target_json), draft, config.runtime.tp_size,
+    return Deployment(read_target_architecture(target_json), draft, config.runtime.tp_size,
                       config.runtime.expert_parallel, config.engine.max_num_seqs, config.engine.kv_cache_tokens,
                       weight_bytes)
 
@@ -176,12 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         args.gpus, args.expert_parallel, args.weight_bytes = plan.gpus, plan.expert_parallel, plan.weight_bytes
         args.batch = args.batch or plan.batch
     elif args.target and args.draft:
-        target, draft = DecoderConfig.from_hf(_read(args.target)), draft_config_from_json(_read(args.draft))
+        target, draft = read_target_architecture(_read(args.target)), draft_config_from_json(_read(args.draft))
     else:
         parser.error("give --config, or both --target and --draft")
     args.batch = args.batch or 64
     s = sizing(target, draft, args.gpus, args.expert_parallel, args.batch, args.tau, args.weight_bytes)
-    fit = fit_check(s, target, kv_tokens, args.gpu_memory_gib) if kv_tokens else None
+    fit = fit_check(s, target, kv_tokens, args.gpu_memory_gib, args.batch) if kv_tokens else None
     if args.json:
         print(json.dumps({**asdict(s), **({"fit": fit} if fit else {})}, indent=1))
         return 0
@@ -190,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         ("target parameters", f"{s.target_params / 1e9:.0f} B"),
         (f"target weights per GPU ({mode}, {s.gpus} GPUs)", f"{s.target_weight_bytes_per_gpu / GIB:.1f} GiB"),
         ("target KV cache per token per GPU (MLA latent)", f"{s.target_kv_bytes_per_token_per_gpu / 1024:.1f} KiB"),
+        *([("target KDA state per sequence per GPU", f"{s.target_state_bytes_per_sequence_per_gpu / 2**20:.1f} MiB")]
+          if s.target_state_bytes_per_sequence_per_gpu else []),
         ("draft weights (embedding/LM head shared)", f"{s.draft_weight_bytes / GIB:.2f} GiB"),
         ("draft context cache per token", f"{s.draft_kv_bytes_per_token / 1024:.1f} KiB"),
         ("hidden states sent to the drafter per token", f"{s.feature_bytes_per_token / 1024:.1f} KiB"),
@@ -198,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if fit:
         rows += [
-            (f"target KV cache per GPU ({kv_tokens} tokens)", f"{fit['kv_gib']:.1f} GiB"),
+            (f"target KV cache per GPU ({kv_tokens} tokens"
+             + (f", + KDA state of {args.batch} sequences)" if s.target_state_bytes_per_sequence_per_gpu else ")"),
+             f"{fit['kv_gib']:.1f} GiB"),
             ("weights + KV cache on the GPU that also holds the drafter", f"{fit['busiest_gpu_gib']:.1f} GiB "
                                                                           f"of {args.gpu_memory_gib:.0f} GiB"),
         ]
@@ -208,10 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if fit is None or fit["fits"] else 1
 
 
-def fit_check(s: Sizing, target: DecoderConfig, kv_tokens: int, gpu_memory_gib: float) -> dict:
+def fit_check(s: Sizing, target: TargetShape, kv_tokens: int, gpu_memory_gib: float, batch: int = 0) -> dict:
     """Does the busiest GPU (a target shard plus the drafter with its copy of the embedding and LM
-    head) hold its weights and the configured KV budget, leaving 10% for activations?"""
-    kv = s.target_kv_bytes_per_token_per_gpu * kv_tokens
+    head) hold its weights, the configured KV budget and ``batch`` sequences' linear-attention state,
+    leaving 10% for activations?"""
+    kv = s.target_kv_bytes_per_token_per_gpu * kv_tokens + s.target_state_bytes_per_sequence_per_gpu * batch
     head_copy = 2 * target.vocab_size * target.hidden_size * 2.0  # the drafter's bf16 embedding + LM head
     draft = s.draft_weight_bytes + head_copy + s.draft_kv_bytes_per_token * kv_tokens
     busiest = (s.target_weight_bytes_per_gpu + kv + draft) / GIB

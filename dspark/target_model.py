@@ -56,8 +56,8 @@ class TargetModel(nn.Module):
         feature_layers: tuple[int, ...] = (),
     ) -> TargetOutput:
         x = self.embed_tokens(input_ids)
-        features = []
-        wanted = {layer: i for i, layer in enumerate(feature_layers)}
+        features: dict[int, torch.Tensor] = {}
+        wanted = set(feature_layers)
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -67,9 +67,9 @@ class TargetModel(nn.Module):
             x = x + attn.attend(q, keys, values, meta.mask)
             x = layer.feed_forward(x)
             if index in wanted:
-                features.append(x)
+                features[index] = x
         if logits_at is not None:
             x = torch.gather(x, 1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
         logits = self.lm_head(self.norm(x)).float()
-        fused = torch.cat([features[wanted[i]] for i in feature_layers], dim=-1) if feature_layers else None
+        fused = torch.cat([features[i] for i in feature_layers], dim=-1) if feature_layers else None  # ids' order
         return TargetOutput(logits=logits, features=fused)

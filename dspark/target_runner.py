@@ -33,6 +33,7 @@ class VerifyBatch:
     sampling: SamplingTensors  # B rows, generators not needed (uniforms are drawn by the request owner)
     uniforms: torch.Tensor  # [B, G + 2]
     want_features: torch.Tensor  # [B] bool: rows whose committed hidden states go to the drafter
+    all_greedy: bool  # decided where the batch is built, so the device never has to answer it
 
     @property
     def block(self) -> int:
@@ -89,7 +90,7 @@ class TargetRunner:
         out = self.model(batch.input_ids, batch.positions, self.cache, batch.meta, batch.logits_at,
                          self.feature_layers)
         target_logits = out.logits  # [B, G + 1, V]
-        if bool(batch.sampling.greedy.all()):
+        if batch.all_greedy:
             target_probs = target_logits
         else:
             flat = logits_to_probs(target_logits.flatten(0, 1), batch.sampling.repeat(block + 1))
@@ -100,5 +101,5 @@ class TargetRunner:
         elif draft_probs.is_sparse:
             draft_probs = draft_probs.to_dense()
         result = verify(self.verification, batch.draft_tokens, batch.num_draft, draft_probs, target_logits,
-                        target_probs, batch.sampling.greedy, batch.uniforms)
+                        target_probs, batch.sampling.greedy, batch.uniforms, batch.all_greedy)
         return VerifyOutput(result, batch.num_uncached + result.num_accepted, out.features)

@@ -90,7 +90,8 @@ def tiny_draft_config(target: DecoderConfig, block_size: int = 4, num_layers: in
 
 
 def make_tiny_deepseek(path: str | Path, tokenizer_dir: str | Path, dtype: torch.dtype = torch.float32,
-                       weight_std: float | None = 0.2, max_shard_size: str | None = None):
+                       weight_std: float | None = 0.2, max_shard_size: str | None = None,
+                       rope_scaling: dict | None = None):
     """A random 3-layer DeepSeek-V3 (1 dense + 2 MoE layers, 8 experts in 4 groups) saved by transformers.
 
     ``max_shard_size`` (e.g. "40KB") splits the weights over several files with an index, as big
@@ -107,7 +108,8 @@ def make_tiny_deepseek(path: str | Path, tokenizer_dir: str | Path, dtype: torch
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
         routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16,
         qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
-        norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False)
+        norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False,
+        **({"rope_scaling": rope_scaling} if rope_scaling else {}))
     model = DeepseekV3ForCausalLM(cfg).to(dtype).eval()
     with torch.no_grad():  # transformers initialises the router at zero and the bias at zero: make routing matter
         for layer in model.model.layers[1:]:

@@ -102,13 +102,12 @@ def block_forward(draft: DSparkDraft, target: TargetModel, cache: TargetCache, s
     context = draft.fuse(cache.features[start:end].float())[None]  # [1, T, D]
     ctx_pos = torch.arange(end - start)[None]
     ctx_valid = torch.arange(end - start)[None, :] < (anchor - start)[:, None]  # strictly before the anchor
-    block_ids = torch.full((len(anchor), block), draft.config.mask_token_id)
-    block_ids[:, 0] = cache.tokens[anchor]
-    block_pos = (anchor - start)[:, None] + torch.arange(block)[None, :]
-    hidden = draft.backbone(block_ids, block_pos, context, ctx_pos, None, None, context_valid=ctx_valid)
+    block_ids, block_pos = draft.block_inputs(cache.tokens[anchor], anchor - start, block)
+    hidden = draft.predicting(draft.backbone(block_ids, block_pos, context, ctx_pos, None, None,
+                                             context_valid=ctx_valid))
     base = draft.base_logits(hidden)
     prev = torch.cat((cache.tokens[anchor][:, None], cache.tokens[label_index[:, :-1]]), dim=1)
-    logits, conf_logits = draft.position_logits(base, hidden, prev, slice(None))
+    logits, conf_logits, _ = draft.position_logits(base, hidden, prev, slice(None))
     labels = cache.tokens[label_index]
     with torch.no_grad():
         # the target's next-token distribution at label position j comes from the hidden state at j - 1
@@ -128,6 +127,9 @@ def train(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: Trai
           log=print) -> dict:
     """Train (resuming from ``work_dir`` if a checkpoint is there); returns a summary."""
     from tqdm import tqdm
+
+    if draft.config.reduced_vocab:  # the losses compare full-vocabulary distributions
+        raise ConfigError("draft_vocab_size", "training a reduced-vocabulary draft is not supported yet")
 
     for p in target.parameters():
         p.requires_grad_(False)

@@ -135,11 +135,13 @@ def verify(
     target_probs: torch.Tensor,  # [B, G + 1, V]
     greedy: torch.Tensor,  # [B] bool
     uniforms: torch.Tensor,  # [B, G + 2]
+    all_greedy: bool | None = None,  # known on the host: saves asking the device
 ) -> VerifyResult:
     """Verify a mixed batch: greedy rows exactly, sampled rows with ``method`` ('token' or 'block')."""
     result = verify_greedy(draft_tokens, num_draft, target_logits)
-    if bool(greedy.all()):
+    if bool(greedy.all()) if all_greedy is None else all_greedy:
         return result
+    greedy = greedy.to(draft_tokens.device)
     if method == "block":
         sampled = verify_block(draft_tokens, num_draft, draft_probs, target_probs, uniforms)
     else:

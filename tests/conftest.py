@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -253,3 +254,14 @@ def serve_run(tmp_dir: Path, http_port: int, grpc_port: int, host: str = "127.0.
         yield run
     finally:
         run.stop()
+
+
+def assert_vllm_reads_as_we_do(config_file: Path) -> dict:
+    """The installed vLLM's reading of a draft config.json equals ours (layer ids, block layout, vocabulary, ...)."""
+    from dspark.checkpoint import draft_config_from_json
+    from dspark.vllm_compat import our_draft_view, vllm_draft_view
+
+    data = json.loads(Path(config_file).read_text())
+    ours, theirs = our_draft_view(draft_config_from_json(data)), vllm_draft_view(data)
+    assert theirs == ours, f"{config_file}: vLLM {theirs} != ours {ours}"
+    return ours

@@ -44,6 +44,23 @@ def test_logits_match_transformers_prefill_and_verify_on_a_cache(deepseek_dir):
     assert (verify - expected[13:]).abs().max().item() < tolerance
 
 
+def test_yarn_with_unequal_mscales_matches_transformers(tmp_path, tiny_target_dir):
+    """DeepSeek YaRN: cos/sin carry mscale(f, mscale) / mscale(f, mscale_all_dim), the softmax scale
+    mscale(f, mscale_all_dim) squared -- the rotary factor is not 1 when the two differ."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+    path, reference = tiny_deepseek(tmp_path / "yarn", tiny_target_dir, rope_scaling=yarn)
+    target = load_target(path, "float32")
+    assert target.config.rope.scaling_type == "yarn" and target.config.rope.mscale == 0.707
+    torch.manual_seed(2)
+    ids = torch.randint(0, target.config.vocab_size, (1, 24))
+    with torch.no_grad():
+        expected = reference(ids).logits[0]
+    cache = target.make_cache(256, 16)
+    cache.allocator.reserve(0, 64)
+    assert (run(target, cache, ids, 0) - expected).abs().max().item() < 1e-4
+
+
 def test_moe_routing_uses_several_experts(deepseek_dir):
     path, _ = deepseek_dir
     target = load_target(path, "float32")

@@ -111,7 +111,8 @@ def test_output_distribution_equals_target(target, exact, verification, schedule
     assert chi_square_p(counts, exact) > 1e-3
 
 
-def broken_verify(method, draft_tokens, num_draft, draft_probs, target_logits, target_probs, greedy, uniforms):
+def broken_verify(method, draft_tokens, num_draft, draft_probs, target_logits, target_probs, greedy, uniforms,
+                  all_greedy=None):
     """The classic bug: on rejection, resample from the target instead of the residual."""
     block = draft_tokens.shape[1]
     ratio_ok = uniforms[:, :block] * draft_probs.gather(2, draft_tokens[:, :, None])[:, :, 0] < \

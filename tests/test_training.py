@@ -21,7 +21,7 @@ from dspark.recipe import TrainFileConfig, run_recipe
 from dspark.target_checkpoint import load_target
 from dspark.testing import make_tiny_target
 
-from conftest import stdlib_texts
+from conftest import assert_vllm_reads_as_we_do, stdlib_texts
 
 
 def test_prompts_are_decontaminated_and_varied():
@@ -85,6 +85,9 @@ def test_recipe_end_to_end(tmp_path):
     target, tok = load_target(target_dir), load_tokenizer(target_dir)
     trained = load_draft(tmp_path / "draft", target.config).bind_target(target.embed_tokens, target.lm_head)
     assert trained.config.confidence_temperatures == tuple(cal["temperatures"])
+    # the export says what it is the way vLLM reads it: the recipe's output-of-layer ids, anchor-as-first blocks
+    view = assert_vllm_reads_as_we_do(tmp_path / "draft" / "config.json")
+    assert view["target_layer_ids"] == [0, 2, 3] and view["sample_from_anchor"] and view["num_slots"] == 4
     resumed = run_recipe(cfg, resolve=Path, stages=("train",), log=logs.append)
     assert resumed["train"]["steps"] == 150 and any("resumed at step 150" in line for line in logs)
     # continuing from the exported draft starts where it ended (not from the target's layers)
