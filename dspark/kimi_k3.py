@@ -107,31 +107,24 @@ class KimiK3Config:
         o = self.num_heads * self.v_head_dim * h
         return q_a + kv_a, q_b + kv_b + gate + o
 
-    def weights(self, gpus: int, expert_parallel: bool, weight_bytes: float) -> tuple[float, float]:
-        """(total parameters, weight bytes per GPU); embedding and LM head replicated in bf16."""
+    def layer_shapes(self) -> list[tuple[float, float, int, float, float]]:
+        """Per layer, for sizing: (replicated params, params split by tensor parallelism, routed experts,
+        params per routed expert, other FFN params split by tensor parallelism)."""
         h = self.hidden_size
-        replicated = 2 * self.vocab_size * h + h
-        total, per_gpu = float(replicated), replicated * 2.0
         latent = self.routed_expert_hidden_size or h
+        shapes = []
         for index in range(self.num_layers):
             rep, split = self._kda_params() if self.is_kda(index) else self._mla_params()
             rep += 2 * h + (4 * h if self.attn_res_block_size else 0)  # norms; attention-residual norms/projections
             if self.num_experts and index >= self.first_k_dense_replace:
-                expert = 3 * latent * self.moe_intermediate_size
-                routed = self.num_experts * expert
-                shared = 3 * h * self.moe_intermediate_size * self.num_shared_experts
                 rep += self.num_experts * h + self.num_experts  # router and its bias
-                if self.routed_expert_hidden_size:
-                    split += 2 * h * latent  # routed_expert_down_proj / up_proj
-                ffn_gpu = (-(-self.num_experts // gpus) * expert if expert_parallel else routed / gpus) + shared / gpus
-                total += routed + shared
+                shared = 3 * h * self.moe_intermediate_size * self.num_shared_experts
+                latent_proj = 2 * h * latent if self.routed_expert_hidden_size else 0  # down / up to the latent
+                shapes.append((rep, split, self.num_experts, 3 * latent * self.moe_intermediate_size,
+                               shared + latent_proj))
             else:
-                dense = 3 * h * self.intermediate_size
-                ffn_gpu = dense / gpus
-                total += dense
-            total += rep + split
-            per_gpu += (rep + split / gpus + ffn_gpu) * weight_bytes
-        return total, per_gpu
+                shapes.append((rep, split, 0, 0.0, 3 * h * self.intermediate_size))
+        return shapes
 
     def kv_bytes_per_token(self, kv_bytes: float = 2.0) -> float:
         """MLA layers only: one (kv_lora_rank + rope dims) latent per token, replicated on every rank."""

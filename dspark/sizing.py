@@ -70,36 +70,37 @@ def _attention_params(cfg: DecoderConfig) -> tuple[float, float]:
     return 0.0, q + kv + cfg.num_heads * cfg.head_dim * h
 
 
+def _decoder_layer_shapes(cfg: DecoderConfig) -> list[tuple[float, float, int, float, float]]:
+    """Per layer: (replicated, split by tensor parallelism, routed experts, params per expert, other FFN split)."""
+    h, shapes = cfg.hidden_size, []
+    for index in range(cfg.num_layers):
+        rep, split = _attention_params(cfg)
+        rep += 2 * h  # norms
+        if cfg.n_routed_experts and index >= cfg.first_k_dense_replace:
+            expert = 3 * h * cfg.moe_intermediate_size
+            rep += cfg.n_routed_experts * h + cfg.n_routed_experts  # router and its bias
+            shapes.append((rep, split, cfg.n_routed_experts, expert, cfg.n_shared_experts * expert))
+        else:
+            shapes.append((rep, split, 0, 0.0, 3 * h * cfg.intermediate_size))
+    return shapes
+
+
 def target_sizing(cfg: TargetShape, gpus: int, expert_parallel: bool, weight_bytes: float = 1.0,
                   kv_bytes: float = 2.0) -> tuple[float, float, float]:
     """(total parameters, weight bytes per GPU, KV bytes per token per GPU)."""
-    if isinstance(cfg, KimiK3Config):
-        return (*cfg.weights(gpus, expert_parallel, weight_bytes), cfg.kv_bytes_per_token(kv_bytes))
-    h, layers = cfg.hidden_size, cfg.num_layers
+    h = cfg.hidden_size
     replicated = 2 * cfg.vocab_size * h + h  # embedding, LM head, final norm (bf16 in practice, counted below)
-    per_gpu = 0.0
-    total = float(replicated)
-    for index in range(layers):
-        rep, split = _attention_params(cfg)
-        rep += 2 * h  # norms
-        moe = cfg.n_routed_experts and index >= cfg.first_k_dense_replace
-        if moe:
-            expert = 3 * h * cfg.moe_intermediate_size
-            routed = cfg.n_routed_experts * expert
-            shared = cfg.n_shared_experts * expert
-            rep += cfg.n_routed_experts * h + cfg.n_routed_experts  # router and its bias
-            per_gpu_ffn = (routed / gpus if not expert_parallel else -(-cfg.n_routed_experts // gpus) * expert)
-            per_gpu_ffn += shared / gpus
-            total += routed + shared
-        else:
-            dense = 3 * h * cfg.intermediate_size
-            per_gpu_ffn = dense / gpus
-            total += dense
-        total += rep + split
-        per_gpu += (rep + split / gpus + per_gpu_ffn) * weight_bytes
-    per_gpu += replicated * 2.0  # embedding and LM head stay bf16 (not block-quantised)
+    total, per_gpu = float(replicated), replicated * 2.0  # embedding and LM head stay bf16 (not block-quantised)
+    shapes = cfg.layer_shapes() if isinstance(cfg, KimiK3Config) else _decoder_layer_shapes(cfg)
+    for rep, split, experts, expert, other_ffn in shapes:
+        # routed experts: owned whole (expert parallelism) or sliced (tensor parallelism); the rest is sliced
+        routed = -(-experts // gpus) * expert if expert_parallel else experts * expert / gpus
+        total += rep + split + experts * expert + other_ffn
+        per_gpu += (rep + (split + other_ffn) / gpus + routed) * weight_bytes
+    if isinstance(cfg, KimiK3Config):
+        return total, per_gpu, cfg.kv_bytes_per_token(kv_bytes)
     heads, key_dim, value_dim = cfg.cache_geometry
-    kv = layers * heads * (key_dim + value_dim) * kv_bytes
+    kv = cfg.num_layers * heads * (key_dim + value_dim) * kv_bytes
     if cfg.attention != "mla":
         kv /= gpus  # KV heads split by tensor parallelism; the MLA latent is replicated on each rank
     return total, per_gpu, kv
