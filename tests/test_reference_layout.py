@@ -12,6 +12,8 @@ gives. The reference below is written from vLLM's source, not from this library:
   ``prev`` starting at the anchor; draft ids map to target ids by ``id + d2t[id]``.
 - ``vllm/model_executor/models/qwen3_dspark.py``: ``mask_embedding`` is an unused placeholder there; the confidence
   is ``sigmoid(proj([h; markov_w1[prev]]))``; a reduced vocabulary ships its own ``lm_head``.
+- speculators ``models/dspark/model_definitions.py``: the gated and rnn Markov heads.
+The same for vLLM's ``k3_dspark`` MLA layout at the end of the file.
 """
 
 from __future__ import annotations
@@ -220,3 +222,118 @@ def test_a_reference_layout_draft_round_trips_through_our_writer(tmp_path):
     again = load_draft(tmp_path / "again", dtype=torch.float64)
     for name, tensor in draft.state_dict().items():
         assert torch.equal(again.state_dict()[name], tensor), name
+
+
+# vLLM's k3_dspark (vllm/transformers_utils/configs/k3_dspark.py, vllm/models/kimi_k3/nvidia/dspark_mla.py):
+# context = context_norm(context_proj(states)) goes straight into each layer's kv_a_proj_with_mqa + kv_a_layernorm
+# (latent) and interleaved RoPE (key rope part); the block (anchor + N-1 masks, the target's embedding) runs MLA
+# non-causally over context + block, scale (nope + rope)^-0.5; logits = target lm_head(final_norm(h)) + Markov bias.
+K3 = {"H": 32, "heads": 4, "q_lora": 12, "kv_lora": 8, "nope": 8, "rope": 4, "v": 8, "inter": 48, "r": 6, "N": 4}
+
+
+def k3_checkpoint(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    c = K3
+
+    def rnd(*shape, std=0.3):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * std
+
+    w = {"context_proj.weight": rnd(c["H"], len(AUX_IDS) * c["H"]), "context_norm.weight": 1 + rnd(c["H"], std=0.1),
+         "final_norm.weight": 1 + rnd(c["H"], std=0.1),
+         "markov_head.markov_w1.weight": rnd(V, c["r"], std=1.0),
+         "markov_head.markov_w2.weight": rnd(V, c["r"], std=1.0),
+         "confidence_head.proj.weight": rnd(1, c["H"] + c["r"]), "confidence_head.proj.bias": rnd(1)}
+    p = "layers.0."
+    w[p + "input_layernorm.weight"] = 1 + rnd(c["H"], std=0.1)
+    w[p + "post_attention_layernorm.weight"] = 1 + rnd(c["H"], std=0.1)
+    w[p + "self_attn.q_a_proj.weight"] = rnd(c["q_lora"], c["H"])
+    w[p + "self_attn.q_a_layernorm.weight"] = 1 + rnd(c["q_lora"], std=0.1)
+    w[p + "self_attn.q_b_proj.weight"] = rnd(c["heads"] * (c["nope"] + c["rope"]), c["q_lora"])
+    w[p + "self_attn.kv_a_proj_with_mqa.weight"] = rnd(c["kv_lora"] + c["rope"], c["H"])
+    w[p + "self_attn.kv_a_layernorm.weight"] = 1 + rnd(c["kv_lora"], std=0.1)
+    w[p + "self_attn.kv_b_proj.weight"] = rnd(c["heads"] * (c["nope"] + c["v"]), c["kv_lora"])
+    w[p + "self_attn.o_proj.weight"] = rnd(c["H"], c["heads"] * c["v"])
+    w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = rnd(c["inter"], c["H"]), rnd(c["inter"], c["H"])
+    w[p + "mlp.down_proj.weight"] = rnd(c["H"], c["inter"])
+    config = {"architectures": ["K3DSparkModel"], "model_type": "k3_dspark", "hidden_size": c["H"],
+              "intermediate_size": c["inter"], "num_hidden_layers": 1, "num_attention_heads": c["heads"],
+              "num_key_value_heads": c["heads"], "q_lora_rank": c["q_lora"], "kv_lora_rank": c["kv_lora"],
+              "qk_nope_head_dim": c["nope"], "qk_rope_head_dim": c["rope"], "v_head_dim": c["v"], "vocab_size": V,
+              "rms_norm_eps": EPS, "max_position_embeddings": 4096,
+              "rope_parameters": {"rope_type": "default", "rope_theta": THETA},
+              "target_layer_ids": [i - 1 for i in AUX_IDS], "num_target_layers": len(AUX_IDS),
+              "target_hidden_size": c["H"], "block_size": c["N"], "mask_token_id": MASK, "markov_rank": c["r"],
+              "enable_confidence_head": True, "confidence_head_with_markov": True}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.float() for k, v in w.items()}, str(path / "model.safetensors"))
+    return {k: v.float().double() for k, v in w.items()}
+
+
+def rope_interleaved(x, positions, dim):  # x: [T, ..., dim], GPT-J pairs (vLLM is_neox_style=False)
+    inv = 1.0 / THETA ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angle = positions.double()[:, None] * inv
+    shape = (len(positions),) + (1,) * (x.dim() - 2) + (dim // 2,)
+    cos, sin = angle.cos().view(shape), angle.sin().view(shape)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack((a * cos - b * sin, b * cos + a * sin), -1).flatten(-2)
+
+
+def k3_reference_block(w, embed, aux_states, anchor):
+    c, p = K3, "layers.0.self_attn."
+    ctx = rms(aux_states @ w["context_proj.weight"].T, w["context_norm.weight"])
+    n_ctx = len(ctx)
+    x = embed[torch.tensor([anchor] + [MASK] * (c["N"] - 1))]
+    pos, ctx_pos = n_ctx + torch.arange(c["N"]), torch.arange(n_ctx)
+    h = rms(x, w["layers.0.input_layernorm.weight"])
+
+    def latent(s, at):  # the cached latent: normalised c, rotated shared rope key
+        kv = s @ w[p + "kv_a_proj_with_mqa.weight"].T
+        return rms(kv[:, : c["kv_lora"]], w[p + "kv_a_layernorm.weight"]), rope_interleaved(kv[:, c["kv_lora"]:], at,
+                                                                                              c["rope"])
+
+    lat = [latent(ctx, ctx_pos), latent(h, pos)]
+    comp, k_pe = torch.cat([lat[0][0], lat[1][0]]), torch.cat([lat[0][1], lat[1][1]])  # [C+N, kv_lora], [C+N, rope]
+    kv = (comp @ w[p + "kv_b_proj.weight"].T).view(len(comp), c["heads"], c["nope"] + c["v"])
+    k_nope, values = kv[..., : c["nope"]], kv[..., c["nope"]:]
+    q = rms(h @ w[p + "q_a_proj.weight"].T, w[p + "q_a_layernorm.weight"]) @ w[p + "q_b_proj.weight"].T
+    q = q.view(c["N"], c["heads"], c["nope"] + c["rope"])
+    q_nope, q_pe = q[..., : c["nope"]], rope_interleaved(q[..., c["nope"]:], pos, c["rope"])
+    scores = (torch.einsum("qhd,khd->hqk", q_nope, k_nope) + torch.einsum("qhd,kd->hqk", q_pe, k_pe)) \
+        * (c["nope"] + c["rope"]) ** -0.5  # no causal mask: the block sees all of itself
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values).flatten(1)
+    x = x + out @ w[p + "o_proj.weight"].T
+    h = rms(x, w["layers.0.post_attention_layernorm.weight"])
+    x = x + (F.silu(h @ w["layers.0.mlp.gate_proj.weight"].T) * (h @ w["layers.0.mlp.up_proj.weight"].T)) \
+        @ w["layers.0.mlp.down_proj.weight"].T
+    return rms(x, w["final_norm.weight"])  # every slot predicts (anchor-as-first)
+
+
+def test_a_k3_dspark_draft_drafts_what_the_reference_definition_gives(tmp_path):
+    weights = k3_checkpoint(tmp_path / "k3")
+    draft = load_draft(tmp_path / "k3", dtype=torch.float64)
+    assert draft.config.backbone.attention == "mla" and draft.config.target_layer_ids == tuple(i - 1 for i in AUX_IDS)
+    g = torch.Generator().manual_seed(3)
+    embed = torch.randn(V, K3["H"], generator=g, dtype=torch.float64)
+    lm_head = torch.nn.Linear(K3["H"], V, bias=False).double()
+    with torch.no_grad():
+        lm_head.weight.normal_(0, 1.0, generator=g)
+    draft.bind_target(torch.nn.Embedding.from_pretrained(embed), lm_head)
+    drafter = DSparkDrafter(draft, cache_tokens=64, kv_block_size=8, prefilter_k=0)
+    contexts = [torch.randn(n, len(AUX_IDS) * K3["H"], generator=g, dtype=torch.float64) for n in (6, 3)]
+    anchors = [12, 80]
+    for rid, feats in enumerate(contexts):
+        drafter.start_sequence(rid, 32)
+        drafter.commit([rid], [len(feats)], feats)
+    greedy = SamplingTensors(torch.zeros(2), torch.ones(2), torch.zeros(2, dtype=torch.long),
+                             [torch.Generator().manual_seed(i) for i in range(2)])
+    proposal = drafter.draft(DraftInputs([0, 1], torch.tensor(anchors), torch.tensor([6, 3])), greedy)
+    for b, (feats, anchor) in enumerate(zip(contexts, anchors)):
+        hidden = k3_reference_block(weights, embed, feats, anchor)
+        prev, tokens = anchor, []
+        for i in range(K3["N"]):  # greedy, left to right, the shared (full) vocabulary
+            logits = lm_head.weight @ hidden[i] + weights["markov_head.markov_w2.weight"] @ \
+                weights["markov_head.markov_w1.weight"][prev]
+            prev = int(logits.argmax())
+            tokens.append(prev)
+        assert proposal.tokens[b].tolist() == tokens
