@@ -160,3 +160,34 @@ def test_gated_sampling_uses_the_requests_generators(tiny_target, tiny_tokenizer
     alone = [run([p])[0][0] for p in prompts[:6]]
     assert skips > 0 and together == alone
     assert all(len(t) == 32 for t in together) and torch.tensor(together).unique().numel() > 20
+
+
+@pytest.mark.parametrize("layout", [{"sample_from_anchor": False}, {"draft_vocab_size": 200}],
+                         ids=["bonus-anchor", "reduced-vocab"])
+def test_reference_layout_heads_are_lossless(tiny_target, tiny_tokenizer, tiny_draft_dir, prompts, reference,
+                                             layout):
+    """Heads in the reference layouts (speculators' bonus-anchor blocks; a d2t reduced vocabulary) drive the engine
+    losslessly too."""
+    from dataclasses import replace
+
+    from dspark.draft_model import DSparkDraft
+
+    base = load_draft(tiny_draft_dir, tiny_target.config, torch.float64)
+    draft = DSparkDraft(replace(base.config, **layout)).double()
+    state = {k: v for k, v in base.state_dict().items() if k != "markov_head.markov_w2.weight" or
+             not draft.config.reduced_vocab}
+    missing = draft.load_state_dict(state, strict=False).missing_keys  # same layers, other layout
+    if draft.config.reduced_vocab:  # the draft's own head over every other target id
+        kept = torch.arange(0, 2 * draft.config.draft_vocab_size, 2)
+        draft.d2t.copy_(kept - torch.arange(len(kept)))
+        draft.t2d.zero_()[kept] = True
+        with torch.no_grad():
+            draft.own["lm_head"].weight.copy_(tiny_target.lm_head.weight[kept].double())
+            draft.markov_head.markov_w2.weight.copy_(base.markov_head.markov_w2.weight[kept])
+    assert set(missing) <= {"own.lm_head.weight", "d2t", "t2d", "markov_head.markov_w2.weight"}
+    draft.bind_target(tiny_target.embed_tokens, tiny_target.lm_head)
+    engine = make_engine(tiny_target, tiny_tokenizer, DSparkDrafter(draft, 8192, 16, prefilter_k=0),
+                         scheduler="full")
+    results = engine.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == reference
+    assert engine.metrics.num_drafts > 0

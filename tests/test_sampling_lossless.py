@@ -9,6 +9,7 @@ with and without the confidence scheduler; a deliberately broken verifier must f
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -68,11 +69,18 @@ def exact(target) -> torch.Tensor:
     return joint
 
 
-def run_engine(target, verification: str, scheduler: str) -> tuple[torch.Tensor, engine_module.Engine]:
+def run_engine(target, verification: str, scheduler: str, layout: dict | None = None
+               ) -> tuple[torch.Tensor, engine_module.Engine]:
     torch.manual_seed(1)
-    draft = DSparkDraft(tiny_draft_config(target.config, block_size=3, markov_rank=4, layer_ids=(0, 1)))
+    cfg = tiny_draft_config(target.config, block_size=3, markov_rank=4, layer_ids=(0, 1))
+    draft = DSparkDraft(replace(cfg, **(layout or {})))
     with torch.no_grad():
         draft.markov_head.markov_w2.weight.normal_(0, 1.0)  # the Markov bias must matter
+        if draft.config.reduced_vocab:  # target ids 0, 2, 3, 5 only, through the draft's own LM head
+            kept = torch.tensor([0, 2, 3, 5])
+            draft.d2t.copy_(kept - torch.arange(4))
+            draft.t2d.zero_()[kept] = True
+            draft.own["lm_head"].weight.copy_(target.lm_head.weight[kept].float())
     draft = draft.double().bind_target(target.embed_tokens, target.lm_head)
     drafter = DSparkDrafter(draft, 200_000, 16, prefilter_k=0)
     # a cost table that makes verification expensive enough to truncate some blocks and not others
@@ -128,3 +136,15 @@ def test_the_test_catches_a_broken_verifier(target, exact, monkeypatch):
     counts, _ = run_engine(target, "token", "full")
     assert chi_square_p(counts, exact) < 1e-6
     monkeypatch.setattr(target_runner, "verify", verify)
+
+
+@pytest.mark.parametrize("layout", [{"sample_from_anchor": False}, {"draft_vocab_size": 4}],
+                         ids=["bonus-anchor", "reduced-vocab"])
+def test_reference_layouts_sample_the_target_distribution(target, exact, layout):
+    """Heads in the reference layouts: speculators' bonus-anchor blocks, and a reduced vocabulary (d2t) that cannot
+    propose two of the target's tokens -- the output is still exactly the target's distribution."""
+    counts, engine = run_engine(target, "block", "full", layout)
+    m = engine.metrics
+    assert 0.1 < m.num_accepted_tokens / m.num_draft_tokens < 0.9, "need both accepts and rejects"
+    assert counts[exact == 0].sum() == 0
+    assert chi_square_p(counts, exact) > 1e-3
