@@ -57,6 +57,23 @@ def max_ongoing(serving) -> int:
     return 4 * (serving.max_concurrent_requests + serving.max_queued_requests) + 64
 
 
+def replica_cpus(config: EngineFileConfig) -> float:
+    """CPUs of the replica process: the router's; with the vllm backend also the target's (its engine runs there)."""
+    cpus = config.serving.router_cpus
+    if config.engine.backend == "vllm":
+        cpus += config.runtime.tp_size * config.runtime.shard_cpus
+    return cpus
+
+
+def replica_threads_env(config: EngineFileConfig) -> dict[str, str]:
+    """vllm backend: the engine computes in the replica with ``runtime.shard_threads`` threads (0: one per core),
+    set through OMP_NUM_THREADS so that every thread of the process (vLLM's worker binds its threads at start,
+    the serving loop steps it from another) agrees on the count; Ray would set it to the reserved CPUs."""
+    if config.engine.backend != "vllm":
+        return {}
+    return {"OMP_NUM_THREADS": str(config.runtime.shard_threads or os.cpu_count() or 1)}
+
+
 def deployment_options(config: EngineFileConfig) -> dict:
     serving, runtime = config.serving, config.runtime
     autoscaling = autoscaling_config(config)
@@ -64,9 +81,11 @@ def deployment_options(config: EngineFileConfig) -> dict:
     return {
         "name": "DSparkServer",
         **replicas,
-        "ray_actor_options": {"num_cpus": serving.router_cpus,
-                              "runtime_env": {"env_vars": runtime.actor_env()}},
-        "placement_group_bundles": [{"CPU": serving.router_cpus}, *replica_bundles(config)],
+        "ray_actor_options": {"num_cpus": replica_cpus(config),
+                              "runtime_env": {"env_vars": {**runtime.actor_env(), **replica_threads_env(config)}}},
+        # native: the router's bundle, then the target shards' and the drafter's; vllm: its engine runs in the replica
+        "placement_group_bundles": [{"CPU": replica_cpus(config)},
+                                    *(replica_bundles(config) if config.engine.backend == "native" else [])],
         "placement_group_strategy": runtime.placement_strategy,
         # the replica bounds its own work (admission by tokens: 429 with Retry-After at once); Serve's bound only
         # has to let those requests, uploads still arriving and /health reach it, and its queue in front of the

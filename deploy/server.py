@@ -62,18 +62,24 @@ class DSparkServer(GrpcApi):
         self.replica_id = replica_id()
         if config.resolve(config.target.path) == default_target_dir():
             prepare_target()  # the embedded default converts itself on first start (no-op when cached)
-        placement = get_current_placement_group()
-        torch.set_num_threads(config.runtime.router_threads)  # the router only batches; actors compute
         # The loop thread and the request handlers share the GIL; with CPython's default 5 ms switch interval a
         # handler formatting a chunk can hold the next step back for up to 5 ms (per token at concurrency 1).
         sys.setswitchinterval(0.0005)
-        self.router = Router(config, placement=placement, bundle_offset=1 if placement else 0)
+        if config.engine.backend == "vllm":  # vLLM's engine in this process: it computes here
+            from dspark.vllm_compat import VllmEngine
+
+            # threads: OMP_NUM_THREADS from the deployment (deploy.ray_app.replica_threads_env); vLLM binds them
+            self.router = VllmEngine(config.with_concrete_dtypes(target_on_gpu=torch.cuda.is_available())[0])
+        else:
+            placement = get_current_placement_group()
+            torch.set_num_threads(config.runtime.router_threads)  # the router only batches; actors compute
+            self.router = Router(config, placement=placement, bundle_offset=1 if placement else 0)
         self.tokenizer = self.router.tokenizer
         self.adapter = RequestAdapter(config, self.tokenizer, self.router.target.config.vocab_size)
         self.telemetry = ReplicaTelemetry(config.name)
         spec = self.spec
         switch = (SpeculationSwitch(self.router, probe_interval_s=spec.speculation_probe_interval_s)
-                  if spec.load_aware_speculation else None)
+                  if spec.load_aware_speculation and self.router.drafter is not None else None)
         provider = make_provider(spec.tracing, spec.otlp_endpoint, service=f"dspark/{config.name}")
         self.loop = ServingLoop(self.router, spec.max_concurrent_requests, spec.max_queued_requests,
                                 telemetry=self.telemetry, switch=switch,

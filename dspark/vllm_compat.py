@@ -121,3 +121,174 @@ def _our_k3_view(cfg: DraftConfig) -> dict[str, Any]:
         "rope": (rope.scaling_type or "default", float(rope.theta), float(rope.factor),
                  int(rope.original_max_position_embeddings) if rope.scaling_type else 0),
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The vLLM backend: vLLM's synchronous V1 engine (vllm.v1.engine.llm_engine.LLMEngine) behind the engine interface
+# the serving loop drives (add_request / step / abort, per-request metrics, a KV view for admission).
+
+GIB = 1 << 30
+
+
+class _KvView:
+    """vLLM's KV cache as admission and telemetry see a cache: blocks of ``block_size`` tokens."""
+
+    def __init__(self, llm):
+        cache = llm.vllm_config.cache_config
+        self.block_size, self.usable_blocks = cache.block_size, cache.num_gpu_blocks
+        self._llm = llm
+
+    @property
+    def num_free_blocks(self) -> int:
+        core = getattr(self._llm.engine_core, "engine_core", None)  # InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        if core is None:
+            return self.usable_blocks
+        return core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()  # vLLM 0.32 internals
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+def cpu_kv_cache_gib(target, kv_cache_tokens: int, dtype_bytes: int) -> int:
+    """``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) that holds ``kv_cache_tokens`` of ``target`` (a DecoderConfig)."""
+    heads, key_dim, value_dim = target.cache_geometry
+    per_token = target.num_layers * heads * (key_dim + value_dim) * dtype_bytes
+    return max(1, -(-per_token * kv_cache_tokens // GIB))
+
+
+def engine_env(config) -> dict[str, str]:
+    """The environment vLLM reads for this config (set before its engine is built): the engine core in this process,
+    and on CPUs a KV cache of ``engine.kv_cache_tokens`` (else vLLM reserves 92% of the machine's memory)."""
+    from dspark.target_checkpoint import read_target_config
+
+    target = read_target_config(config.resolve(config.target.path))
+    dtype_bytes = 4 if config.target.dtype == "float32" else 2
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": str(cpu_kv_cache_gib(target, config.engine.kv_cache_tokens, dtype_bytes))}
+
+
+class VllmEngine:
+    """A target served by vLLM, with this library's engine interface (``actors.serving_loop.ServingLoop`` drives it).
+
+    The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): a Serve replica owns it as it owns a
+    native router. Plain decoding: the DSpark proposer inside vLLM is the next step.
+    """
+
+    drafter = None
+    speculation_enabled = False
+
+    def __init__(self, config):  # config: dspark.schema.EngineFileConfig with concrete dtypes
+        import os
+
+        from dspark.loader import load_tokenizer
+        from dspark.metrics import SpecMetrics
+        from dspark.target_checkpoint import read_target_config
+
+        for key, value in engine_env(config).items():
+            os.environ.setdefault(key, value)
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        path = config.resolve(config.target.path)
+        engine = config.engine
+        self.config = engine.to_core(config.target.dtype)
+        self.target = _TargetInfo(read_target_config(path))
+        self.engine_args = EngineArgs(
+            model=str(path), tokenizer=str(path), dtype=config.target.dtype, max_model_len=engine.max_model_len,
+            max_num_seqs=engine.max_num_seqs, enforce_eager=engine.vllm_enforce_eager, seed=0,
+            trust_remote_code=config.target.trust_remote_code, enable_prefix_caching=False)
+        self.llm = LLMEngine.from_engine_args(self.engine_args)
+        self.tokenizer = load_tokenizer(path, config.target.trust_remote_code)
+        self.allocator = _KvView(self.llm)
+        self.metrics = SpecMetrics()
+        self.requests: dict = {}  # request id -> dspark.request.Request (prompt, params, per-request metrics)
+        self._started: set[int] = set()  # requests that produced a token (vLLM is decoding them)
+        self.timings = {"step": 0.0}
+        self.num_steps = 0
+        self.on_phase = None
+        self.actor_pids = {"vllm_engine": os.getpid()}
+        self.dtypes = {"target": {"dtype": config.target.dtype, "backend": "vllm", "vllm": installed_version()}}
+
+    @property
+    def running(self) -> list[int]:
+        return [rid for rid in self.requests if rid in self._started]
+
+    @property
+    def waiting(self) -> list[int]:
+        return [rid for rid in self.requests if rid not in self._started]
+
+    def add_request(self, prompt_ids: list[int], params, request_id: int, speculate: bool = True) -> int:
+        from vllm.inputs import TokensPrompt
+
+        from dspark.engine import check_request
+        from dspark.request import Request
+
+        check_request(prompt_ids, params, self.config.max_model_len, self.target.config.vocab_size)
+        self.llm.add_request(str(request_id), TokensPrompt(prompt_token_ids=list(prompt_ids)),
+                             vllm_sampling_params(params))
+        self.requests[request_id] = Request(request_id, list(prompt_ids), params)
+        return request_id
+
+    def step(self) -> list:
+        import time
+
+        from dspark.request import RequestOutput
+
+        start = time.perf_counter()
+        outputs = self.llm.step()
+        results = []
+        for out in outputs:
+            rid = int(out.request_id)
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            new = list(out.outputs[0].token_ids)
+            if new:
+                self._started.add(rid)
+                request.tokens.extend(new)
+                request.metrics.completion_tokens += len(new)
+                request.metrics.verify_steps += 1  # one target pass per token: plain decoding
+                self.metrics.completion_tokens += len(new)
+                self.metrics.verify_steps += 1
+            reason = None
+            if out.finished:
+                reason = out.outputs[0].finish_reason or "stop"
+                request.metrics.record_finished(request.metrics.completion_tokens, request.metrics.verify_steps)
+                self.metrics.record_finished(request.metrics.completion_tokens, request.metrics.verify_steps)
+                self._started.discard(rid)
+            results.append(RequestOutput(rid, new, out.finished, reason))
+        self.num_steps += 1
+        self.timings["step"] += time.perf_counter() - start
+        return results
+
+    def abort(self, request_id: int) -> None:
+        if request_id in self.requests:
+            self.llm.abort_request([str(request_id)])
+            self._started.discard(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.llm.has_unfinished_requests()
+
+    def reset_transient_state(self) -> None:
+        """After a failed step the loop has aborted every request; vLLM keeps no other per-step state of ours."""
+
+    def shutdown(self) -> None:
+        self.llm = None
+
+
+class _TargetInfo:
+    def __init__(self, config):
+        self.config = config
+
+
+def vllm_sampling_params(params):
+    """A request's ``dspark.config.SamplingParams`` as vLLM's: token ids out as deltas, the same stop rules."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from dspark.config import GREEDY_BELOW
+
+    return SamplingParams(
+        max_tokens=params.max_tokens, temperature=0.0 if params.temperature < GREEDY_BELOW else params.temperature,
+        top_p=params.top_p, top_k=params.top_k, seed=params.seed, stop=list(params.stop) or None,
+        ignore_eos=params.ignore_eos, detokenize=bool(params.stop), output_kind=RequestOutputKind.DELTA)
