@@ -61,7 +61,7 @@ class MarkovHead(nn.Module):
     def __init__(self, vocab_size: int, rank: int, output_vocab_size: int | None = None, kind: str = "vanilla",
                  hidden_size: int = 0):
         super().__init__()
-        self.kind, self.rank = kind, rank
+        self.kind = kind
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, output_vocab_size or vocab_size, bias=False)
         nn.init.normal_(self.markov_w1.weight, std=0.02)

@@ -121,6 +121,9 @@ def logits_to_probs(
 ) -> torch.Tensor:  # [N, V] float32, rows sum to 1
     """The exact distribution a row's token is sampled from."""
     logits = logits.float()
+    # greedy rows: decided on the host when the parameters are there (no one-hot work for sampled batches); on a
+    # device the one-hot is applied without asking it
+    any_greedy = bool(params.greedy.any()) if params.temperature.device.type == "cpu" else True
     params = params.to(logits.device)
     greedy = params.greedy
     temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
@@ -133,8 +136,10 @@ def logits_to_probs(
         values, index, full_lse = _candidates(scaled, params)
     truncated = _truncate_sorted(values, params.top_p, params.top_k, full_lse)
     probs = torch.zeros_like(scaled).scatter_(-1, index, truncated)
+    if not any_greedy:
+        return probs
     one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], one_hot, probs)  # no branch on the device's answer
+    return torch.where(greedy[:, None], one_hot, probs)
 
 
 def sample_from(

