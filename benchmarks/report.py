@@ -6,7 +6,7 @@
 
 Steps, each printing progress: (1) ``dspark bench`` on four prompt sets at temperature 0 and 1.0 /
 top-p 0.95 (acceptance table in the seeds' format + speed against plain decoding); (2) the peers
-(``benchmarks.peers``: plain transformers, transformers prompt lookup, DSpark plain and speculative);
+(``benchmarks.peers``: vLLM plain and prompt lookup, native plain and DSpark, transformers generate);
 (3) ``serve run`` of the embedded default with the load-aware switch both off and on, and ``dspark
 loadtest`` over HTTP at each concurrency for speculation on and off; (4) a soak with cancellations.
 Every figure lands in ``--out-dir``; the Markdown is written from those JSON files.
@@ -198,7 +198,9 @@ def render(out: Path, bench_results: dict, peers: dict, load_results: dict, args
         lines += [f"### {title}", "", markdown_table(r, r["block_size"]), "",
                   f"![per-position acceptance]({rel}/acceptance-{label}.png)", ""]
     lines += ["## Peers on the same target", "",
-              "Greedy, batch 1, the same prompts (`python -m benchmarks.peers`):", "", peers_table(peers), ""]
+              "vLLM (plain and with its prompt lookup), this project's native engine (plain and with the DSpark "
+              "head), `transformers` generate; batch 1 and concurrency 8, greedy and T=1 (`python -m "
+              "benchmarks.peers`):", "", peers_table(peers), "", f"![peers]({rel}/peers.png)", ""]
     lines += served_section(out)
     lines += ["## Under load: `dspark loadtest` (HTTP streaming, mt-bench prompts)", "",
               "Each level runs the same requests with speculation on and off (the `speculation: false` request "
@@ -318,16 +320,20 @@ def main(argv: list[str] | None = None) -> int:
     out = (REPO / args.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
+    from benchmarks.peers import plot as peers_plot
     from benchmarks.peers import run as peers_run
+    from benchmarks.peers import table as peers_table
 
     bench_results = ({k: json.loads((out / f"bench-{k}.json").read_text()) for k in ("greedy", "t1")}
                      if "bench" in skip else bench(out, args.limit, args.max_tokens, args.baseline_dtypes))
     if "peers" in skip:
         peers = json.loads((out / "peers.json").read_text())
     else:
-        peers = peers_run(REPO / "configs" / "embedded.yaml", "mt-bench", args.peers_limit,
-                          args.max_tokens)
+        peers = peers_run(REPO / "configs" / "embedded.yaml", ["humaneval", "gsm8k"], args.peers_limit,
+                          args.max_tokens, "auto", out / "peers-work")
+        peers["markdown"] = peers_table(peers)
         (out / "peers.json").write_text(json.dumps(peers, indent=1))
+        peers_plot(peers, out / "peers.png")
     if "load" in skip:
         load_results = {p.stem[5:]: json.loads(p.read_text()) for p in sorted(out.glob("load-*.json"))}
         if (out / "soak.json").exists():

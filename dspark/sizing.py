@@ -144,6 +144,29 @@ class Deployment:
     batch: int
     kv_cache_tokens: int
     weight_bytes: float
+    kv_bytes: float = 2.0  # bytes per KV-cache element (the serving dtype's)
+    backend: str = "native"  # engine.backend: vllm colocates the drafter, sharded over the target's GPUs
+    drafting: bool = True  # the draft runs (native: speculate; vllm: vllm_speculation 'dspark')
+
+
+def vllm_kv_cache_bytes(plan: Deployment, drafting: bool) -> int:
+    """vLLM's ``kv_cache_memory_bytes`` per worker (GPU, or the CPU engine) that holds the config's KV budget.
+
+    vLLM keeps one cache pool per worker for every attention layer it runs: the target's KV cache of
+    ``kv_cache_tokens`` tokens (GQA heads split over the tensor-parallel ranks, an MLA latent replicated on each),
+    a linear-attention target's fixed state for ``max_num_seqs`` sequences, and with a colocated DSpark drafter its
+    layers' context cache of the same tokens, sharded as the target is.
+    """
+    _, _, target_kv = target_sizing(plan.target, plan.gpus, plan.expert_parallel, plan.weight_bytes, plan.kv_bytes)
+    total = target_kv * plan.kv_cache_tokens
+    if isinstance(plan.target, KimiK3Config):
+        drafted = plan.draft.block_size if drafting and plan.draft is not None else 0
+        total += plan.target.state_bytes_per_sequence(drafted) / plan.gpus * plan.batch
+    if drafting and plan.draft is not None:
+        _, draft_kv = draft_sizing(plan.draft, plan.kv_bytes)
+        split = plan.gpus if plan.draft.backbone.attention != "mla" else 1
+        total += draft_kv / split * plan.kv_cache_tokens
+    return int(-(-total // 1))
 
 
 def _architecture(config, spec) -> dict:
@@ -153,20 +176,23 @@ def _architecture(config, spec) -> dict:
     return _read(path)
 
 
-def deployment_from_config(path: str | Path) -> Deployment:
+def deployment_from_config(path_or_config) -> Deployment:
+    """What a serving YAML (a path, or an already loaded ``EngineFileConfig``) says about one replica."""
     from dspark.schema import load_engine_config
 
-    config = load_engine_config(path)
+    config = load_engine_config(path_or_config) if isinstance(path_or_config, (str, Path)) else path_or_config
     target_json = _architecture(config, config.target)
     draft = draft_config_from_json(_architecture(config, config.draft)) if config.draft.path else None
     quant = (target_json.get("quantization_config") or (target_json.get("text_config") or {}).get(
         "quantization_config") or {})  # Kimi-K3 keeps it in text_config (vLLM copies it up)
     fp8_resident = quant.get("quant_method") == "fp8" and config.target.fp8_mode(
         on_gpu=config.runtime.shard_gpus > 0) == "matmul"  # dequantised at load, FP8 weights take dtype's bytes
-    weight_bytes = 1.0 if fp8_resident else {"float32": 4.0, "float64": 8.0}.get(config.target.dtype, 2.0)
+    dtype_bytes = {"float32": 4.0, "float64": 8.0}.get(config.target.dtype, 2.0)
     return Deployment(read_target_architecture(target_json), draft, config.runtime.tp_size,
                       config.runtime.expert_parallel, config.engine.max_num_seqs, config.engine.kv_cache_tokens,
-                      weight_bytes)
+                      1.0 if fp8_resident else dtype_bytes, dtype_bytes, config.engine.backend,
+                      config.engine.speculate and bool(config.draft.path)
+                      and (config.engine.backend == "native" or config.engine.vllm_speculation == "dspark"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --config, or both --target and --draft")
     args.batch = args.batch or 64
     s = sizing(target, draft, args.gpus, args.expert_parallel, args.batch, args.tau, args.weight_bytes)
-    fit = fit_check(s, target, kv_tokens, args.gpu_memory_gib, args.batch) if kv_tokens else None
+    fit = None
+    if kv_tokens and plan.backend == "vllm":
+        fit = vllm_fit_check(s, plan, args.gpu_memory_gib)
+    elif kv_tokens:
+        fit = fit_check(s, target, kv_tokens, args.gpu_memory_gib, args.batch)
     if args.json:
         print(json.dumps({**asdict(s), **({"fit": fit} if fit else {})}, indent=1))
         return 0
@@ -217,11 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if fit:
         rows += [
-            (f"target KV cache per GPU ({kv_tokens} tokens"
+            ((f"vLLM kv_cache_memory_bytes per GPU ({kv_tokens} tokens of target and draft"
+              if plan.backend == "vllm" else f"target KV cache per GPU ({kv_tokens} tokens")
              + (f", + KDA state of {args.batch} sequences)" if s.target_state_bytes_per_sequence_per_gpu else ")"),
              f"{fit['kv_gib']:.1f} GiB"),
-            ("weights + KV cache on the GPU that also holds the drafter", f"{fit['busiest_gpu_gib']:.1f} GiB "
-                                                                          f"of {args.gpu_memory_gib:.0f} GiB"),
+            (fit["busiest_what"], f"{fit['busiest_gpu_gib']:.1f} GiB of {args.gpu_memory_gib:.0f} GiB"),
         ]
     print("| quantity | value |\n|---|---|")
     for name, value in rows:
@@ -237,7 +267,21 @@ def fit_check(s: Sizing, target: TargetShape, kv_tokens: int, gpu_memory_gib: fl
     head_copy = 2 * target.vocab_size * target.hidden_size * 2.0  # the drafter's bf16 embedding + LM head
     draft = s.draft_weight_bytes + head_copy + s.draft_kv_bytes_per_token * kv_tokens
     busiest = (s.target_weight_bytes_per_gpu + kv + draft) / GIB
-    return {"kv_gib": kv / GIB, "busiest_gpu_gib": busiest, "fits": busiest <= 0.9 * gpu_memory_gib}
+    return {"kv_gib": kv / GIB, "busiest_gpu_gib": busiest, "fits": busiest <= 0.9 * gpu_memory_gib,
+            "busiest_what": "weights + KV cache on the GPU that also holds the drafter"}
+
+
+def vllm_fit_check(s: Sizing, plan: Deployment, gpu_memory_gib: float) -> dict:
+    """vLLM's accounting: every GPU holds its target shard, its shard of the colocated drafter (which shares the
+    target's embedding and LM head) and ``kv_cache_memory_bytes`` (:func:`vllm_kv_cache_bytes`: target KV, linear-
+    attention state and the drafter's context cache); vLLM's default ``gpu_memory_utilization`` of 0.9 leaves the
+    rest for activations, CUDA graphs and NCCL buffers."""
+    kv = vllm_kv_cache_bytes(plan, plan.drafting)
+    draft = s.draft_weight_bytes / plan.gpus if plan.drafting else 0.0
+    per_gpu = (s.target_weight_bytes_per_gpu + draft + kv) / GIB
+    return {"kv_gib": kv / GIB, "busiest_gpu_gib": per_gpu, "fits": per_gpu <= 0.9 * gpu_memory_gib,
+            "kv_cache_memory_bytes": kv,
+            "busiest_what": "weights + kv_cache_memory_bytes per GPU (vLLM, drafter sharded with the target)"}
 
 
 if __name__ == "__main__":

