@@ -94,7 +94,7 @@ def join_group(address: tuple[str, int], rank: int, world: int, backend: str, ti
 
 
 def all_reduce_fn(group: dist.ProcessGroup):
-    """A summing all-reduce over ``group`` for ``dspark.tensor_parallel.RowParallelLinear``."""
+    """A summing all-reduce over ``group`` for ``dspark.model.tensor_parallel.RowParallelLinear``."""
 
     def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.contiguous()

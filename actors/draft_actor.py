@@ -19,14 +19,14 @@ import torch
 
 from actors.collective import FeatureChannel, TransportCounters, device_placement, join_group, resolve_backend
 from actors.serialization import register_tensor_serializer
-from dspark.checkpoint import load_draft
-from dspark.draft_model import DraftProposal
-from dspark.drafter import DraftInputs, DSparkDrafter
-from dspark.request import Request
-from dspark.sampling import SamplingTensors
+from dspark.decoding.drafter import DraftInputs, DSparkDrafter
+from dspark.decoding.request import Request
+from dspark.decoding.sampling import SamplingTensors
+from dspark.formats.checkpoint import load_draft
+from dspark.formats.target_checkpoint import load_target_head
+from dspark.model.draft_model import DraftProposal
+from dspark.model.target_model import DTYPES
 from dspark.schema import EngineFileConfig
-from dspark.target_checkpoint import load_target_head
-from dspark.target_model import DTYPES
 
 
 @dataclass

@@ -32,14 +32,14 @@ from actors.collective import feature_source
 from actors.draft_actor import DraftWorker, RemoteDrafter
 from actors.serialization import register_tensor_serializer
 from actors.target_actor import RemoteTarget, TargetShard
-from dspark.checkpoint import draft_config_from_json
 from dspark.config import ConfigError
-from dspark.engine import Engine
+from dspark.decoding.engine import Engine
+from dspark.decoding.request import Request, RequestOutput
+from dspark.formats.checkpoint import draft_config_from_json
+from dspark.formats.target_checkpoint import read_target_config
 from dspark.loader import load_tokenizer
-from dspark.request import Request, RequestOutput
+from dspark.model.tensor_parallel import check_divisible
 from dspark.schema import EngineFileConfig
-from dspark.target_checkpoint import read_target_config
-from dspark.tensor_parallel import check_divisible
 
 log = logging.getLogger("dspark")
 

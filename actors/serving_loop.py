@@ -26,8 +26,8 @@ from actors.speculation_switch import SpeculationSwitch
 from actors.telemetry import ReplicaTelemetry
 from actors.tracing import RequestTracer
 from dspark.config import ConfigError, SamplingParams
-from dspark.engine import Engine
-from dspark.metrics import SpecMetrics
+from dspark.decoding.engine import Engine
+from dspark.decoding.metrics import SpecMetrics
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from dspark.engine import Engine
+from dspark.decoding.engine import Engine
 
 
 class SpeculationSwitch:

@@ -1,8 +1,8 @@
 """Target shard actors and the router's handle on them.
 
 A replica's target runs as ``tp_size`` ``TargetShard`` actors. Each holds its tensor-parallel
-slice of the model (``dspark.tensor_parallel``), read from the checkpoint slice by slice
-(``dspark.target_checkpoint``: no shard ever holds the whole target), and of the KV cache; the router keeps the
+slice of the model (``dspark.model.tensor_parallel``), read from the checkpoint slice by slice
+(``dspark.formats.target_checkpoint``: no shard ever holds the whole target), and of the KV cache; the router keeps the
 block tables and sends every verify pass as one ``VerifyBatch`` to all shards. Shard 0
 returns the verification result (tokens and counts: small) and pushes the committed
 positions' fused hidden states straight to the drafter over the feature channel.
@@ -27,11 +27,11 @@ from actors.collective import (
 )
 from actors.serialization import register_tensor_serializer
 from dspark.config import DecoderConfig
-from dspark.kv_cache import AttentionMetadata, BlockAllocator
+from dspark.decoding.kv_cache import AttentionMetadata, BlockAllocator
+from dspark.decoding.target_runner import TargetRunner, VerifyBatch, VerifyOutput, to_device
+from dspark.formats.target_checkpoint import CheckpointReader, ShardSpec, load_target, read_target_config
+from dspark.model.target_model import DTYPES
 from dspark.schema import EngineFileConfig
-from dspark.target_checkpoint import CheckpointReader, ShardSpec, load_target, read_target_config
-from dspark.target_model import DTYPES
-from dspark.target_runner import TargetRunner, VerifyBatch, VerifyOutput, to_device
 
 
 @ray.remote

@@ -1,6 +1,6 @@
 """OpenTelemetry traces of requests: one span per request, child spans per decoding phase.
 
-``dspark.request`` spans the request from submission to its last token. The engine reports
+``dspark.decoding.request`` spans the request from submission to its last token. The engine reports
 each phase of each step once for its whole batch (``Engine.on_phase``); every request in that
 batch gets a child span with the phase's real start and end: ``prefill``, ``draft``,
 ``transport`` (the drafter receiving the target's hidden states; Ray path only) and

@@ -1,8 +1,8 @@
 """How often speculative greedy output differs from plain greedy output, per dtype, and why.
 
 Same prompts, same config, greedy: plain decoding (one row per step) against speculative decoding
-(rows verified inside blocks). In bf16 the CPU kernels are made batch-invariant (``dspark/attention.py``,
-``dspark.layers.Linear``), so outputs must be equal. In fp32 the CPU's GEMM rounds a row differently
+(rows verified inside blocks). In bf16 the CPU kernels are made batch-invariant (``dspark/model/attention.py``,
+``dspark.model.layers.Linear``), so outputs must be equal. In fp32 the CPU's GEMM rounds a row differently
 by the number of rows in the call, so a position whose two best tokens are within rounding of each
 other can flip. For each differing prompt this prints the first differing position and the gap
 between the two tokens' logits there, computed independently by ``transformers`` in fp32 on the
@@ -22,10 +22,10 @@ import torch
 
 from benchmarks.report import DATASETS, REPO, machine
 from dspark.config import SamplingParams
+from dspark.evaluation.prompt_sets import read_prompts
 from dspark.loader import build_engine, encode_prompt
-from dspark.prepare import prepare_target
-from dspark.prompt_sets import read_prompts
 from dspark.schema import load_engine_config
+from dspark.training.prepare import prepare_target
 
 
 def logit_gap(model, ids: list[int], a: int, b: int) -> dict:

@@ -30,10 +30,10 @@ import torch
 
 from benchmarks.report import REPO, SERVE_CONFIG, Served, _bin, machine
 from dspark.config import SamplingParams
+from dspark.evaluation.prompt_sets import read_prompts
 from dspark.loader import build_engine, encode_chat, load_tokenizer
-from dspark.prepare import prepare_target
-from dspark.prompt_sets import read_prompts
 from dspark.schema import load_engine_config, write_variant
+from dspark.training.prepare import prepare_target
 
 CONCURRENCY = 8
 TEMPERATURES = {"greedy": (0.0, 1.0), "T=1 top-p 0.95": (1.0, 0.95)}
@@ -77,7 +77,7 @@ def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[l
     from vllm import SamplingParams as VllmParams
     from vllm.inputs import TokensPrompt
 
-    from dspark.vllm_compat import engine_arguments
+    from dspark.integrations.vllm_compat import engine_arguments
 
     config = load_engine_config(config_path)
     config = config.model_copy(update={

@@ -1,7 +1,7 @@
 """The Ray path against the in-process engine, side by side in one run.
 
 For each concurrency level (requests decoded together) it runs the same prompts through
-  * ``in-process``: ``dspark.engine.Engine`` in this process (target + drafter, no Ray);
+  * ``in-process``: ``dspark.decoding.engine.Engine`` in this process (target + drafter, no Ray);
   * ``ray``: the router over a target shard actor and a drafter actor (``pipeline: false``);
   * ``ray+pipeline``: the same with two micro-batches overlapping draft and verify;
 and prints output tokens/s, the ratio to in-process, acceptance length, and the per-step time
@@ -27,10 +27,10 @@ import torch
 
 from actors.router import Router
 from dspark.config import ConfigError, SamplingParams
+from dspark.evaluation.prompt_sets import round_robin
 from dspark.loader import build_engine, encode_prompt
-from dspark.prepare import prepare_target
-from dspark.prompt_sets import round_robin
 from dspark.schema import load_engine_config
+from dspark.training.prepare import prepare_target
 
 REPO = Path(__file__).resolve().parents[1]
 DATASETS = ("humaneval", "mbpp", "gsm8k", "mt-bench")

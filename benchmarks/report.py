@@ -171,8 +171,8 @@ def served_section(out: Path) -> list[str]:
 
 def render(out: Path, bench_results: dict, peers: dict, load_results: dict, args) -> str:
     from benchmarks.peers import table as peers_table
-    from dspark.bench import markdown_table
-    from dspark.loadtest import table as load_table
+    from dspark.evaluation.bench import markdown_table
+    from dspark.evaluation.loadtest import table as load_table
 
     rel = os.path.relpath(out, REPO / "docs")
     lines = [

@@ -1,7 +1,7 @@
 """The served path against the in-process engine, side by side in one run (concurrency 1).
 
 The same prompts, the same greedy settings, speculation on and off:
-  * ``in-process``: ``dspark bench``'s loop (``dspark.bench.run_prompts``), one request at a time;
+  * ``in-process``: ``dspark bench``'s loop (``dspark.evaluation.bench.run_prompts``), one request at a time;
   * ``served``: ``serve run`` of the same config (HTTP, the OpenAI chat API, streaming), driven by
     ``dspark loadtest`` at concurrency 1.
 The load-aware switch is off in the served copy (the in-process engine has none), so both paths
@@ -24,12 +24,12 @@ import sys
 from pathlib import Path
 
 from benchmarks.report import DATASETS, REPO, SERVE_CONFIG, Served, _bin, machine
-from dspark.bench import run_prompts
 from dspark.config import SamplingParams
+from dspark.evaluation.bench import run_prompts
+from dspark.evaluation.prompt_sets import round_robin
 from dspark.loader import build_engine, encode_prompt
-from dspark.prepare import prepare_target
-from dspark.prompt_sets import round_robin
 from dspark.schema import load_engine_config, write_variant
+from dspark.training.prepare import prepare_target
 
 
 def in_process(config, texts: list[str], max_tokens: int) -> dict:

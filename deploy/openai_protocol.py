@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from dspark.config import MAX_SEED, MAX_STOPS, MAX_TEMPERATURE, MAX_TOP_K
-from dspark.metrics import SpecMetrics
+from dspark.decoding.metrics import SpecMetrics
 
 
 def _unicode(value: str) -> str:

@@ -25,8 +25,8 @@ from deploy.auth import KeyCheck, read_api_key, require_key_or_consent
 from deploy.grpc_api import GrpcApi
 from deploy.openai_api import build_http_app
 from deploy.request_adapter import RequestAdapter
-from dspark.prepare import default_target_dir, prepare_target
 from dspark.schema import EngineFileConfig
+from dspark.training.prepare import default_target_dir, prepare_target
 
 log = logging.getLogger("dspark.server")
 
@@ -66,7 +66,7 @@ class DSparkServer(GrpcApi):
         # handler formatting a chunk can hold the next step back for up to 5 ms (per token at concurrency 1).
         sys.setswitchinterval(0.0005)
         if config.engine.backend == "vllm":  # vLLM's engine in this process: it computes here
-            from dspark.vllm_compat import VllmEngine
+            from dspark.integrations.vllm_compat import VllmEngine
 
             # threads: OMP_NUM_THREADS from the deployment (deploy.ray_app.replica_threads_env); vLLM binds them
             self.router = VllmEngine(config.with_concrete_dtypes(target_on_gpu=torch.cuda.is_available())[0])

@@ -40,7 +40,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from dspark.prepare import prepare_target, sanity_check
+    from dspark.training.prepare import prepare_target, sanity_check
 
     out = prepare_target(args.out, force=args.force)
     print(f"target ready: {out}")
@@ -51,8 +51,8 @@ def _prepare(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from dspark.recipe import TrainFileConfig, run_recipe
     from dspark.schema import EngineFileConfig, format_validation_error, read_yaml
+    from dspark.training.recipe import TrainFileConfig, run_recipe
 
     data = read_yaml(args.config)
     # command-line overrides go through the same validation as the file (a bad value names its field)
@@ -71,8 +71,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from dspark.bench import markdown_table, plot_acceptance, run_bench
-    from dspark.prompt_sets import prompt_set_path
+    from dspark.evaluation.bench import markdown_table, plot_acceptance, run_bench
+    from dspark.evaluation.prompt_sets import prompt_set_path
     from dspark.schema import load_engine_config
 
     cfg = load_engine_config(args.config)
@@ -101,7 +101,7 @@ def _convert(args: argparse.Namespace) -> int:
     import torch
     from safetensors import safe_open
 
-    from dspark.checkpoint import load_draft, save_draft
+    from dspark.formats.checkpoint import load_draft, save_draft
 
     src = Path(args.draft)
     draft = load_draft(src, dtype=torch.float64)  # every stored dtype round-trips through float64 exactly
@@ -118,7 +118,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _client(args) -> int:
     import os
 
-    from dspark.client import ClientError, GrpcClient, HttpClient
+    from dspark.evaluation.client import ClientError, GrpcClient, HttpClient
 
     api_key = args.api_key or os.environ.get("DSPARK_API_KEY")
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, help="PNG of per-position acceptance")
     b.add_argument("--threads", type=int, default=None)
     b.set_defaults(func=_bench)
-    from dspark import loadtest
+    from dspark.evaluation import loadtest
 
     loadtest.add_parser(sub)
     conv = sub.add_parser("convert", help="rewrite a draft checkpoint in the layout vLLM reads (speculators dspark "
@@ -228,8 +228,8 @@ def _vllm_args(args) -> int:
     import json
     import shlex
 
+    from dspark.integrations.vllm_compat import WRITTEN_AGAINST, engine_arguments, serve_command
     from dspark.schema import load_engine_config
-    from dspark.vllm_compat import WRITTEN_AGAINST, engine_arguments, serve_command
 
     config = load_engine_config(args.config)
     config = config.with_concrete_dtypes(target_on_gpu=config.runtime.shard_gpus > 0)[0]

@@ -162,7 +162,7 @@ class DecoderConfig:
         """Read a Hugging Face decoder config (llama, mistral, qwen2, qwen3, deepseek_v3 attention)."""
         model_type = hf.get("model_type", "llama")
         if model_type in ("kimi_k3", "kimi_linear"):
-            from dspark.kimi_k3 import NATIVE_REFUSAL
+            from dspark.model.kimi_k3 import NATIVE_REFUSAL
 
             raise ConfigError("model_type", f"{model_type!r}: {NATIVE_REFUSAL}")
         known = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3", "kimi_k2")

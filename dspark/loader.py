@@ -7,13 +7,13 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from dspark.checkpoint import load_draft
 from dspark.config import ConfigError, EngineConfig
-from dspark.drafter import DSparkDrafter
-from dspark.engine import Engine
+from dspark.decoding.drafter import DSparkDrafter
+from dspark.decoding.engine import Engine
+from dspark.formats.checkpoint import load_draft
+from dspark.formats.target_checkpoint import load_target
+from dspark.model.target_model import DTYPES, TargetModel
 from dspark.schema import EngineFileConfig
-from dspark.target_checkpoint import load_target
-from dspark.target_model import DTYPES, TargetModel
 
 log = logging.getLogger("dspark")
 

@@ -255,7 +255,7 @@ class EngineFileConfig(_Strict):
 
     def resolve(self, path: str) -> Path:
         """Expand ~ and $VARS ($DSPARK_CACHE defaults to ~/.cache/dspark); relative to the YAML file."""
-        from dspark.prepare import cache_dir
+        from dspark.training.prepare import cache_dir
 
         defaults = {"DSPARK_CACHE": str(cache_dir())}
         path = re.sub(r"\$\{(\w+)\}|\$(\w+)",

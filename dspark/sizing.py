@@ -23,10 +23,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dspark.checkpoint import draft_config_from_json
 from dspark.config import DecoderConfig, DraftConfig
-from dspark.kimi_k3 import MODEL_TYPES as KIMI_K3_TYPES
-from dspark.kimi_k3 import KimiK3Config
+from dspark.formats.checkpoint import draft_config_from_json
+from dspark.model.kimi_k3 import MODEL_TYPES as KIMI_K3_TYPES
+from dspark.model.kimi_k3 import KimiK3Config
 
 TargetShape = DecoderConfig | KimiK3Config
 

@@ -135,7 +135,7 @@ def quantize_checkpoint(source: str | Path, out: str | Path, block: tuple[int, i
 
     from safetensors.torch import load_file, save_file
 
-    from dspark.fp8 import quantize
+    from dspark.model.fp8 import quantize
 
     source, out = Path(source), Path(out)
     shutil.copytree(source, out)

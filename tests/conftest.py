@@ -18,18 +18,18 @@ import pytest
 import requests
 import torch
 
-from dspark.checkpoint import save_draft
 from dspark.config import EngineConfig
-from dspark.draft_model import DSparkDraft
-from dspark.drafter import DSparkDrafter
-from dspark.engine import Engine
+from dspark.decoding.drafter import DSparkDrafter
+from dspark.decoding.engine import Engine
+from dspark.decoding.scheduler import StepCostProfile
+from dspark.evaluation.prompt_sets import read_prompts
+from dspark.formats.checkpoint import save_draft
+from dspark.formats.target_checkpoint import load_target
 from dspark.loader import load_tokenizer
-from dspark.prepare import prepare_target
-from dspark.prompt_sets import read_prompts
-from dspark.scheduler import StepCostProfile
+from dspark.model.draft_model import DSparkDraft
 from dspark.schema import EngineFileConfig, load_engine_config, write_variant
-from dspark.target_checkpoint import load_target
 from dspark.testing import make_tiny_target, tiny_draft_config
+from dspark.training.prepare import prepare_target
 
 REPO = Path(__file__).resolve().parents[1]
 HTTP = "http://127.0.0.1:8000"  # Serve's HTTP proxy (serve_instance)
@@ -258,8 +258,8 @@ def serve_run(tmp_dir: Path, http_port: int, grpc_port: int, host: str = "127.0.
 
 def assert_vllm_reads_as_we_do(config_file: Path) -> dict:
     """The installed vLLM's reading of a draft config.json equals ours (layer ids, block layout, vocabulary, ...)."""
-    from dspark.checkpoint import draft_config_from_json
-    from dspark.vllm_compat import our_draft_view, vllm_draft_view
+    from dspark.formats.checkpoint import draft_config_from_json
+    from dspark.integrations.vllm_compat import our_draft_view, vllm_draft_view
 
     data = json.loads(Path(config_file).read_text())
     ours, theirs = our_draft_view(draft_config_from_json(data)), vllm_draft_view(data)

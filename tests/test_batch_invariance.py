@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark.attention import chunked_attend
-from dspark.layers import Linear
-from dspark.target_checkpoint import load_target
+from dspark.formats.target_checkpoint import load_target
+from dspark.model.attention import chunked_attend
+from dspark.model.layers import Linear
 from dspark.testing import make_tiny_target
 
 from conftest import stdlib_texts

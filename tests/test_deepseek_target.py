@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dspark.config import ConfigError
-from dspark.kv_cache import PagedKVCache
-from dspark.target_checkpoint import load_target
+from dspark.decoding.kv_cache import PagedKVCache
+from dspark.formats.target_checkpoint import load_target
 from dspark.testing import make_tiny_deepseek as tiny_deepseek
 from dspark.testing import quantize_checkpoint
 
@@ -74,8 +74,8 @@ def test_moe_routing_uses_several_experts(deepseek_dir):
 
 @pytest.fixture(scope="module")
 def deepseek64_with_draft(tmp_path_factory, tiny_target_dir):
-    from dspark.checkpoint import save_draft
-    from dspark.draft_model import DSparkDraft
+    from dspark.formats.checkpoint import save_draft
+    from dspark.model.draft_model import DSparkDraft
     from dspark.testing import tiny_draft_config
 
     path, _ = tiny_deepseek(tmp_path_factory.mktemp("deepseek-v3-f64"), tiny_target_dir, torch.float64)

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from dspark.config import DecoderConfig
-from dspark.draft_model import DSparkDraft
-from dspark.drafter import DraftInputs, DSparkDrafter
-from dspark.sampling import SamplingTensors, logits_to_probs, sample_from
-from dspark.target_model import TargetModel
-from dspark.target_runner import TargetRunner, VerifyBatch
+from dspark.decoding.drafter import DraftInputs, DSparkDrafter
+from dspark.decoding.sampling import SamplingTensors, logits_to_probs, sample_from
+from dspark.decoding.target_runner import TargetRunner, VerifyBatch
+from dspark.decoding.verification import verify_block, verify_greedy, verify_tokenwise
+from dspark.model.draft_model import DSparkDraft
+from dspark.model.target_model import TargetModel
 from dspark.testing import tiny_draft_config
-from dspark.verification import verify_block, verify_greedy, verify_tokenwise
 
 B, G, V = 3, 4, 11
 DEVICES = ["cpu", "meta"]

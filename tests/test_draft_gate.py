@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dspark.config import ConfigError
-from dspark.draft_gate import DraftGate, DraftGateConfig
-from dspark.scheduler import StepCostProfile
+from dspark.decoding.draft_gate import DraftGate, DraftGateConfig
+from dspark.decoding.scheduler import StepCostProfile
 
 
 def test_break_even_comes_from_the_cost_table():

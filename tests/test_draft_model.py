@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark.checkpoint import draft_config_from_json, load_draft, save_draft
 from dspark.config import ConfigError, DecoderConfig
-from dspark.draft_model import DSparkDraft
-from dspark.sampling import SamplingTensors
+from dspark.decoding.sampling import SamplingTensors
+from dspark.formats.checkpoint import draft_config_from_json, load_draft, save_draft
+from dspark.model.draft_model import DSparkDraft
 
 REPO = Path(__file__).resolve().parents[1]
 SEEDS = {"release": "kimi-k3.1-pro-dspark.json", "preview": "kimi-k3.1-pro-dspark-preview.json"}

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from dspark.config import EngineConfig, SamplingParams
-from dspark.draft_model import DSparkDraft
-from dspark.drafter import DSparkDrafter
-from dspark.engine import Engine
+from dspark.decoding.drafter import DSparkDrafter
+from dspark.decoding.engine import Engine
+from dspark.formats.target_checkpoint import load_target
 from dspark.loader import encode_prompt, load_tokenizer
-from dspark.prepare import prepare_target, sanity_check
-from dspark.target_checkpoint import load_target
+from dspark.model.draft_model import DSparkDraft
 from dspark.testing import tiny_draft_config
+from dspark.training.prepare import prepare_target, sanity_check
 
 from conftest import benchmark_prompts, embedded_exact
 
@@ -80,7 +80,7 @@ def test_shipped_draft_loads_and_is_lossless_on_the_embedded_default(smollm2):
 
 def test_bf16_speculative_greedy_is_bit_exact_with_the_shipped_head(smollm2):
     """In bf16 the batch-invariant kernels make speculation exact, not just equal up to near-ties."""
-    from dspark.checkpoint import load_draft
+    from dspark.formats.checkpoint import load_draft
 
     path, _, tok = smollm2
     target = load_target(path, "bfloat16")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.checkpoint import load_draft
 from dspark.config import SamplingParams
-from dspark.drafter import DSparkDrafter
+from dspark.decoding.drafter import DSparkDrafter
+from dspark.formats.checkpoint import load_draft
 
 from conftest import make_engine
 

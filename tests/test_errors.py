@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from dspark.config import ConfigError, SamplingParams
-from dspark.prompt_sets import prompt_set_path
-from dspark.recipe import TrainFileConfig
+from dspark.evaluation.prompt_sets import prompt_set_path
 from dspark.schema import load_engine_config, read_yaml, sampling_from_values
+from dspark.training.recipe import TrainFileConfig
 
 from conftest import REPO, make_engine
 

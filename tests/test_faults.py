@@ -82,7 +82,7 @@ def _loadtest_args(**overrides) -> argparse.Namespace:
 
 @pytest.mark.parametrize("transport", ["http", "grpc"])
 def test_loadtest_measures_both_modes_in_one_run(app, tmp_path, transport):
-    from dspark import loadtest
+    from dspark.evaluation import loadtest
 
     out, png = tmp_path / "load.json", tmp_path / "load.png"
     args = _loadtest_args(out=str(out), plot=str(png), grpc=GRPC if transport == "grpc" else None)
@@ -100,7 +100,7 @@ def test_loadtest_measures_both_modes_in_one_run(app, tmp_path, transport):
 
 
 def test_loadtest_refuses_remote_targets():
-    from dspark import loadtest
+    from dspark.evaluation import loadtest
 
     with pytest.raises(SystemExit, match="loopback"):
         loadtest.main(_loadtest_args(url="http://192.0.2.10:8000"))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.checkpoint import load_draft
 from dspark.config import SamplingParams
-from dspark.draft_model import DraftProposal
-from dspark.drafter import DSparkDrafter
-from dspark.scheduler import StepCostProfile
+from dspark.decoding.drafter import DSparkDrafter
+from dspark.decoding.scheduler import StepCostProfile
+from dspark.formats.checkpoint import load_draft
+from dspark.model.draft_model import DraftProposal
 
 from conftest import benchmark_prompts, make_engine
 
@@ -170,7 +170,7 @@ def test_reference_layout_heads_are_lossless(tiny_target, tiny_tokenizer, tiny_d
     losslessly too."""
     from dataclasses import replace
 
-    from dspark.draft_model import DSparkDraft
+    from dspark.model.draft_model import DSparkDraft
 
     base = load_draft(tiny_draft_dir, tiny_target.config, torch.float64)
     draft = DSparkDraft(replace(base.config, **layout)).double()

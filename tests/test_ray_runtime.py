@@ -11,8 +11,8 @@ from actors.router import Router, replica_bundles
 from dspark.config import ConfigError, SamplingParams
 from dspark.dtype_choice import choose_dtype
 from dspark.loader import build_engine, encode_prompt
-from dspark.prepare import prepare_target
 from dspark.schema import EngineFileConfig
+from dspark.training.prepare import prepare_target
 
 from conftest import benchmark_prompts, embedded_exact, wait_for
 

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from dspark.checkpoint import load_draft
-from dspark.drafter import DraftInputs, DSparkDrafter
-from dspark.sampling import SamplingTensors
+from dspark.decoding.drafter import DraftInputs, DSparkDrafter
+from dspark.decoding.sampling import SamplingTensors
+from dspark.formats.checkpoint import load_draft
 
 V, VD, H, HEADS, KV_HEADS, D, R, N = 96, 40, 32, 4, 2, 8, 6, 3  # target vocab, draft vocab, ..., rank, tokens
 TARGET_LAYERS, AUX_IDS = 6, [2, 4, 6]  # aux id i: the state entering target layer i
@@ -207,7 +207,7 @@ def test_a_reference_layout_draft_drafts_what_the_reference_definition_gives(tmp
 
 
 def test_a_reference_layout_draft_round_trips_through_our_writer(tmp_path):
-    from dspark.checkpoint import save_draft
+    from dspark.formats.checkpoint import save_draft
 
     reference_checkpoint(tmp_path / "ref", neox=False)
     draft = load_draft(tmp_path / "ref", dtype=torch.float64)

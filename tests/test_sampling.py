@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dspark.sampling as sampling
-from dspark.sampling import SamplingTensors, logits_to_probs, sample_from
+import dspark.decoding.sampling as sampling
+from dspark.decoding.sampling import SamplingTensors, logits_to_probs, sample_from
 
 
 def params(n, temperature=1.0, top_p=1.0, top_k=0):

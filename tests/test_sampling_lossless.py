@@ -15,17 +15,17 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import dspark.engine as engine_module
-import dspark.target_runner as target_runner
+import dspark.decoding.engine as engine_module
+import dspark.decoding.target_runner as target_runner
 from dspark.config import DecoderConfig, SamplingParams
-from dspark.draft_model import DSparkDraft
-from dspark.drafter import DSparkDrafter
-from dspark.kv_cache import PagedKVCache
-from dspark.sampling import SamplingTensors, logits_to_probs, sample_from
-from dspark.scheduler import StepCostProfile
-from dspark.target_model import TargetModel
+from dspark.decoding.drafter import DSparkDrafter
+from dspark.decoding.kv_cache import PagedKVCache
+from dspark.decoding.sampling import SamplingTensors, logits_to_probs, sample_from
+from dspark.decoding.scheduler import StepCostProfile
+from dspark.decoding.verification import VerifyResult, _pack, verify
+from dspark.model.draft_model import DSparkDraft
+from dspark.model.target_model import TargetModel
 from dspark.testing import tiny_draft_config
-from dspark.verification import VerifyResult, _pack, verify
 
 from conftest import make_engine
 

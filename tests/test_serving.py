@@ -84,7 +84,7 @@ def scrape(name_prefix: str = "dspark:") -> dict[tuple[str, tuple], float]:
 
 def test_prometheus_counters_match_dspark_bench(served, engine):
     """Per-position acceptance from the live app's counters equals `dspark bench`'s own computation."""
-    from dspark.bench import run_prompts, summarise
+    from dspark.evaluation.bench import run_prompts, summarise
 
     texts = prompts(4)
     before = scrape()

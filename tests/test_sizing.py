@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from dspark.checkpoint import check_compatible, draft_config_from_json
 from dspark.config import ConfigError, DecoderConfig
-from dspark.kimi_k3 import KimiK3Config
+from dspark.formats.checkpoint import check_compatible, draft_config_from_json
+from dspark.model.kimi_k3 import KimiK3Config
 from dspark.sizing import main, read_target_architecture, sizing
 
 from conftest import REPO

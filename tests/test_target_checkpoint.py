@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dspark.config import ConfigError
-from dspark.fp8 import FP8Linear, dequantize
-from dspark.target_checkpoint import CheckpointReader, ShardSpec, load_target
-from dspark.tensor_parallel import shard_target
+from dspark.formats.target_checkpoint import CheckpointReader, ShardSpec, load_target
+from dspark.model.fp8 import FP8Linear, dequantize
+from dspark.model.tensor_parallel import shard_target
 from dspark.testing import make_tiny_deepseek, make_tiny_target, quantize_checkpoint
 
 

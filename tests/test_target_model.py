@@ -6,8 +6,8 @@ import pytest
 import torch
 import transformers
 
-from dspark.kv_cache import PagedKVCache
-from dspark.target_checkpoint import load_target
+from dspark.decoding.kv_cache import PagedKVCache
+from dspark.formats.target_checkpoint import load_target
 from dspark.testing import make_tiny_target
 
 from conftest import stdlib_texts

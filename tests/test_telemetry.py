@@ -18,10 +18,10 @@ from actors.serving_loop import ServingLoop
 from actors.speculation_switch import SpeculationSwitch
 from actors.telemetry import ReplicaTelemetry
 from actors.tracing import RequestTracer, make_provider
-from dspark.checkpoint import load_draft
 from dspark.config import ConfigError, SamplingParams
-from dspark.drafter import DSparkDrafter
-from dspark.scheduler import StepCostProfile
+from dspark.decoding.drafter import DSparkDrafter
+from dspark.decoding.scheduler import StepCostProfile
+from dspark.formats.checkpoint import load_draft
 
 from conftest import FLAT_PROFILE, make_engine
 

@@ -8,18 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.calibration import cumulative_ece, expected_calibration_error, sequential_temperature_scaling
-from dspark.checkpoint import load_draft
 from dspark.config import ConfigError, EngineConfig, SamplingParams
-from dspark.dataset import build_prompts, decontaminate
-from dspark.drafter import DSparkDrafter
-from dspark.engine import Engine
+from dspark.decoding.drafter import DSparkDrafter
+from dspark.decoding.engine import Engine
+from dspark.evaluation.prompt_sets import PROMPT_SETS_DIR
+from dspark.formats.checkpoint import load_draft
+from dspark.formats.target_checkpoint import load_target
 from dspark.loader import load_tokenizer
-from dspark.losses import dspark_loss, position_weights
-from dspark.prompt_sets import PROMPT_SETS_DIR
-from dspark.recipe import TrainFileConfig, run_recipe
-from dspark.target_checkpoint import load_target
 from dspark.testing import make_tiny_target
+from dspark.training.calibration import cumulative_ece, expected_calibration_error, sequential_temperature_scaling
+from dspark.training.dataset import build_prompts, decontaminate
+from dspark.training.losses import dspark_loss, position_weights
+from dspark.training.recipe import TrainFileConfig, run_recipe
 
 from conftest import assert_vllm_reads_as_we_do, stdlib_texts
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.scheduler import StepCostProfile, schedule_prefix
-from dspark.verification import verify, verify_block, verify_greedy, verify_tokenwise
+from dspark.decoding.scheduler import StepCostProfile, schedule_prefix
+from dspark.decoding.verification import verify, verify_block, verify_greedy, verify_tokenwise
 
 V = 4
 

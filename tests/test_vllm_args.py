@@ -16,10 +16,10 @@ import yaml
 
 from deploy.ray_app import deployment_options
 from dspark.config import ConfigError
+from dspark.integrations.vllm_compat import engine_arguments, serve_command
 from dspark.schema import load_engine_config, write_variant
 from dspark.sizing import deployment_from_config, vllm_kv_cache_bytes
 from dspark.sizing import main as sizing_main
-from dspark.vllm_compat import engine_arguments, serve_command
 
 from conftest import REPO
 

@@ -18,9 +18,9 @@ import torch
 
 from benchmarks.report import DATASETS
 from dspark.config import SamplingParams
+from dspark.evaluation.prompt_sets import round_robin
+from dspark.integrations.vllm_compat import engine_arguments, engine_env
 from dspark.loader import build_engine, encode_chat, load_tokenizer
-from dspark.prompt_sets import round_robin
-from dspark.vllm_compat import engine_arguments, engine_env
 
 from conftest import KEY, REPO, serve_run, wait_for
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.checkpoint import draft_config_from_json, load_draft, save_draft
 from dspark.config import DecoderConfig
-from dspark.draft_model import DSparkDraft
+from dspark.formats.checkpoint import draft_config_from_json, load_draft, save_draft
+from dspark.integrations.vllm_compat import WRITTEN_AGAINST, installed_version
+from dspark.model.draft_model import DSparkDraft
 from dspark.testing import tiny_draft_config
-from dspark.vllm_compat import WRITTEN_AGAINST, installed_version
 
 from conftest import assert_vllm_reads_as_we_do
 

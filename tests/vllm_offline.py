@@ -2,8 +2,8 @@
 
     python tests/vllm_offline.py ENGINE_ARGS_JSON MAX_TOKENS PROMPTS_JSON
 
-ENGINE_ARGS_JSON: ``dspark.vllm_compat.engine_arguments`` of the served config (the replica's engine settings);
-prints one JSON object: the replies' token ids, one list per prompt."""
+ENGINE_ARGS_JSON: ``dspark.integrations.vllm_compat.engine_arguments`` of the served config (the replica's engine
+settings); prints one JSON object: the replies' token ids, one list per prompt."""
 
 import json
 import sys

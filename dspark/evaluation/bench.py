@@ -14,10 +14,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from dspark.config import SamplingParams
-from dspark.engine import Engine
+from dspark.decoding.engine import Engine
+from dspark.decoding.metrics import SpecMetrics
+from dspark.evaluation.prompt_sets import read_prompts
 from dspark.loader import build_engine, encode_prompt
-from dspark.metrics import SpecMetrics
-from dspark.prompt_sets import read_prompts
 from dspark.schema import EngineFileConfig
 
 

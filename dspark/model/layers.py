@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.attention import attend
 from dspark.config import DecoderConfig, RopeConfig
+from dspark.model.attention import attend
 
 
 class Linear(nn.Linear):

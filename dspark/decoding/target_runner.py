@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.kv_cache import AttentionMetadata, PagedKVCache
-from dspark.sampling import SamplingTensors, logits_to_probs
-from dspark.target_model import TargetModel
-from dspark.verification import VerifyResult, verify
+from dspark.decoding.kv_cache import AttentionMetadata, PagedKVCache
+from dspark.decoding.sampling import SamplingTensors, logits_to_probs
+from dspark.decoding.verification import VerifyResult, verify
+from dspark.model.target_model import TargetModel
 
 
 @dataclass

@@ -9,8 +9,8 @@ from enum import Enum
 import torch
 
 from dspark.config import SamplingParams
-from dspark.draft_gate import GateState
-from dspark.metrics import SpecMetrics
+from dspark.decoding.draft_gate import GateState
+from dspark.decoding.metrics import SpecMetrics
 
 
 class Status(Enum):

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from dspark.calibration import cumulative_ece, sequential_temperature_scaling
 from dspark.config import ConfigError
-from dspark.draft_model import DSparkDraft
-from dspark.losses import dspark_loss
-from dspark.target_cache import TargetCache
-from dspark.target_model import TargetModel
+from dspark.model.draft_model import DSparkDraft
+from dspark.model.target_model import TargetModel
+from dspark.training.calibration import cumulative_ece, sequential_temperature_scaling
+from dspark.training.losses import dspark_loss
+from dspark.training.target_cache import TargetCache
 
 
 @dataclass(frozen=True)

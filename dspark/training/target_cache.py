@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark.target_model import TargetModel
+from dspark.model.target_model import TargetModel
 
 
 @dataclass

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from dspark.config import DraftConfig
-from dspark.kv_cache import AttentionMetadata, PagedKVCache
-from dspark.layers import DecoderLayer, RMSNorm
-from dspark.sampling import SamplingTensors, logits_to_probs, sample_from
+from dspark.decoding.kv_cache import AttentionMetadata, PagedKVCache
+from dspark.decoding.sampling import SamplingTensors, logits_to_probs, sample_from
+from dspark.model.layers import DecoderLayer, RMSNorm
 
 
 @dataclass

@@ -14,16 +14,16 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from dspark.checkpoint import load_draft, save_draft
 from dspark.config import DecoderConfig, DraftConfig, EngineConfig
-from dspark.dataset import build_prompts, decontaminate, generate_responses
-from dspark.draft_model import DSparkDraft
-from dspark.engine import Engine
+from dspark.decoding.engine import Engine
+from dspark.evaluation.prompt_sets import PROMPT_SETS_DIR
+from dspark.formats.checkpoint import load_draft, save_draft
+from dspark.formats.target_checkpoint import load_target
 from dspark.loader import load_tokenizer
-from dspark.prompt_sets import PROMPT_SETS_DIR
-from dspark.target_cache import build_target_cache, load_target_cache
-from dspark.target_checkpoint import load_target
-from dspark.trainer import (
+from dspark.model.draft_model import DSparkDraft
+from dspark.training.dataset import build_prompts, decontaminate, generate_responses
+from dspark.training.target_cache import build_target_cache, load_target_cache
+from dspark.training.trainer import (
     TrainConfig,
     calibrate,
     heldout_statistics,

@@ -17,15 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import ConfigError, EngineConfig, SamplingParams
-from dspark.draft_gate import DraftGate
-from dspark.draft_model import DraftProposal
-from dspark.drafter import Drafter
-from dspark.metrics import SpecMetrics
-from dspark.request import Request, RequestOutput, Status
-from dspark.sampling import SamplingTensors
-from dspark.scheduler import StepCostProfile, schedule_full, schedule_prefix
-from dspark.target_model import TargetModel
-from dspark.target_runner import TargetRunner, VerifyBatch, VerifyOutput
+from dspark.decoding.draft_gate import DraftGate
+from dspark.decoding.drafter import Drafter
+from dspark.decoding.metrics import SpecMetrics
+from dspark.decoding.request import Request, RequestOutput, Status
+from dspark.decoding.sampling import SamplingTensors
+from dspark.decoding.scheduler import StepCostProfile, schedule_full, schedule_prefix
+from dspark.decoding.target_runner import TargetRunner, VerifyBatch, VerifyOutput
+from dspark.model.draft_model import DraftProposal
+from dspark.model.target_model import TargetModel
 
 
 @dataclass

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from dspark.prompt_sets import read_prompts
+from dspark.evaluation.prompt_sets import read_prompts
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-PROMPT_SETS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
+PROMPT_SETS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
 NAMES = ("gsm8k", "math500", "aime25", "humaneval", "mbpp", "mt-bench", "swe-bench")
 
 

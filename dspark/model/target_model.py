@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from dspark.config import DecoderConfig
-from dspark.kv_cache import AttentionMetadata, PagedKVCache
-from dspark.layers import DecoderLayer, Linear, RMSNorm
+from dspark.decoding.kv_cache import AttentionMetadata, PagedKVCache
+from dspark.model.layers import DecoderLayer, Linear, RMSNorm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from dspark.config import ConfigError, DecoderConfig
-from dspark.fp8 import FP8Linear, dequantize, scale_blocks
-from dspark.layers import Linear
-from dspark.target_model import DTYPES, TargetModel
-from dspark.tensor_parallel import AllReduce, TensorSlice, checkpoint_source, shard_target
+from dspark.model.fp8 import FP8Linear, dequantize, scale_blocks
+from dspark.model.layers import Linear
+from dspark.model.target_model import DTYPES, TargetModel
+from dspark.model.tensor_parallel import AllReduce, TensorSlice, checkpoint_source, shard_target
 
 SCALE_SUFFIX = "_scale_inv"
 

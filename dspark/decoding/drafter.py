@@ -13,9 +13,9 @@ from typing import Protocol
 
 import torch
 
-from dspark.draft_model import DraftProposal, DSparkDraft
-from dspark.request import Request
-from dspark.sampling import SamplingTensors
+from dspark.decoding.request import Request
+from dspark.decoding.sampling import SamplingTensors
+from dspark.model.draft_model import DraftProposal, DSparkDraft
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Other engines: everything that touches vLLM internals, in one module (`vllm_compat`)."""
