@@ -278,7 +278,8 @@ def table(report: dict) -> str:
               f"| offline vLLM, batch 1 (above) | {s['tok_s'] / s['vs_offline_vllm_batch_1']:.1f} | "
               f"{s['vs_offline_vllm_batch_1']:.2f}x |",
               f"| offline vLLM, batch 1, with the served app idle beside it | {s['offline_beside_tok_s']:.1f} | "
-              f"{s['vs_offline_beside']:.2f}x |", "", f"({s['errors']} errors in the served run)"]
+              f"{s['vs_offline_beside']:.2f}x |", "",
+              f"Errors in the served run: {sum(s['errors'].values())}."]
     return "\n".join(lines)
 
 
