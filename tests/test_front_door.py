@@ -28,7 +28,8 @@ MAX_PROMPT_TOKENS = 1536  # the embedded default's limit
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRPC_AUTH = (("application", "dspark"), ("authorization", f"Bearer {KEY}"))
 DEADLINE_S = 60  # no probe may take longer
-HTTP_PORT, GRPC_PORT = 8100, 9100  # this module's `serve run` (the session's Serve app holds 8000 / 9000)
+PORTS = {"native": (8100, 9100), "vllm": (8110, 9110)}  # this module's `serve run`s (the session's app: 8000/9000)
+HTTP_PORT, GRPC_PORT = PORTS["native"]
 HTTP, GRPC = f"http://127.0.0.1:{HTTP_PORT}", f"127.0.0.1:{GRPC_PORT}"
 
 
@@ -47,6 +48,9 @@ def test_a_keyless_server_refuses_to_start_on_an_open_address(tmp_path):
 def app(request, tmp_path_factory):
     """`serve run` of the embedded default with its serving limits, an API key and a short body timeout, on each
     engine backend in turn (the same front door over this project's engine and over vLLM's)."""
+    global HTTP, GRPC, HTTP_PORT, GRPC_PORT  # each backend on its own ports: never the other one's leftover
+    HTTP_PORT, GRPC_PORT = PORTS[request.param]
+    HTTP, GRPC = f"http://127.0.0.1:{HTTP_PORT}", f"127.0.0.1:{GRPC_PORT}"
     key_file = tmp_path_factory.mktemp("secret") / "api-key"
     key_file.write_text(KEY + "\n")
     with serve_run(tmp_path_factory.mktemp("front-door"), HTTP_PORT, GRPC_PORT, engine={"backend": request.param},
