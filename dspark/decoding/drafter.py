@@ -71,7 +71,10 @@ class DSparkDrafter:
         self.pending: dict[int, list[torch.Tensor]] = {}  # request id -> context rows not yet in the cache
 
     def can_start(self, request: Request) -> bool:
-        return self.cache.allocator.can_reserve(request.reservation)
+        return self.can_start_sequence(request.reservation)
+
+    def can_start_sequence(self, reservation: int) -> bool:
+        return self.cache.allocator.can_reserve(reservation)
 
     def start(self, request: Request) -> None:
         self.start_sequence(request.request_id, request.reservation)

