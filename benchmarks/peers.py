@@ -1,7 +1,9 @@
 """Peers on this machine, one run: the same target, prompts and dtype through every engine a user could pick.
 
-Systems: vLLM plain, vLLM + prompt lookup (its ``ngram`` proposer), this project's native engine plain and with
-the DSpark head (the embedded default's engine settings: confidence scheduler, draft gate), ``transformers``
+Systems: vLLM plain, vLLM + prompt lookup (its ``ngram`` proposer), vLLM + this project's DSpark proposer (the dspark
+vLLM plugin, ``engine.vllm_speculation: dspark_plugin``, with the config's gate and scheduler), this project's native
+engine plain and with the DSpark head (the embedded default's engine settings: confidence scheduler, draft gate),
+``transformers``
 ``generate``; each at batch 1 (one request at a time) and at concurrency 8 (eight requests decoded together: vLLM's
 and the native engine's schedulers; ``transformers`` as left-padded batches of 8), greedy and at T=1 / top-p 0.95
 (seeded per request). Then the served vLLM path (``serve run`` with ``engine.backend: vllm``, the OpenAI API through
@@ -227,6 +229,8 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
     systems = {
         "vLLM plain": lambda: vllm_system(config_path, dtype, "off", prompts, max_tokens),
         "vLLM + ngram (prompt lookup, k=5)": lambda: vllm_system(config_path, dtype, "ngram", prompts, max_tokens),
+        "vLLM + DSpark (shipped head, our proposer in vLLM)": lambda: vllm_system(config_path, dtype, "dspark_plugin",
+                                                                                 prompts, max_tokens),
         "native plain": lambda: native_system(config, False, prompts, max_tokens),
         "native + DSpark (shipped head)": lambda: native_system(config, True, prompts, max_tokens),
         "transformers generate": lambda: transformers_system(config, prompts, max_tokens, eos),

@@ -35,6 +35,7 @@ class RowParams:
     top_k: int  # 0 = off
     seed: int | None
     max_total_tokens: int  # prompt + output tokens the request may reach (bounded by the model length)
+    speculate: bool = True  # False: the client (or the load-aware switch) asked for plain decoding
 
 
 @dataclass
@@ -70,6 +71,38 @@ class StepDrafterStats:
     step_seconds: float = 0.0  # wall time between consecutive calls: the host's step, drafting included
 
 
+class MeasuredCosts:
+    """The host's step time by tokens verified per step, measured on its own decode steps (an exponential moving
+    average per token count), as the cost table the draft gate and the prefix scheduler read. A step counts only
+    when every row decodes (a prompt chunk would inflate it); the time is from the end of one call to the start of
+    the next, i.e. the host's target pass, sampling and bookkeeping, without the drafting between them."""
+
+    def __init__(self, smoothing: float = 0.2, min_samples: int = 3):
+        self.smoothing, self.min_samples = smoothing, min_samples
+        self.seconds: dict[int, float] = {}
+        self.samples: dict[int, int] = {}
+        self.draft_seconds: float | None = None
+
+    def record(self, tokens: int, seconds: float) -> None:
+        old = self.seconds.get(tokens)
+        self.seconds[tokens] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+        self.samples[tokens] = self.samples.get(tokens, 0) + 1
+
+    def record_draft(self, seconds: float) -> None:
+        old = self.draft_seconds
+        self.draft_seconds = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+
+    def profile(self) -> StepCostProfile | None:
+        """The table so far (at least two token counts measured ``min_samples`` times), None before that."""
+        counts = sorted(n for n, k in self.samples.items() if k >= self.min_samples)
+        if len(counts) < 2:
+            return None
+        seconds = [self.seconds[n] for n in counts]
+        for i in range(1, len(seconds)):  # noise must not make a larger step look cheaper
+            seconds[i] = max(seconds[i], seconds[i - 1])
+        return StepCostProfile(tuple(counts), tuple(seconds), self.draft_seconds or 0.0)
+
+
 class _Sequence:
     def __init__(self, generator: torch.Generator, gate: GateState | None):
         self.context = 0  # committed positions whose features the drafter holds (or has pending)
@@ -83,12 +116,18 @@ class StepDrafter:
     ``dspark.decoding.drafter.DSparkDrafter`` (``can_start_sequence`` / ``start_sequence`` / ``release_sequence`` /
     ``commit`` / ``draft``): the DSpark head over its paged context cache, in this process or behind an actor."""
 
-    def __init__(self, drafter, block_size: int, seed: int = 0, scheduler: str = "full",
-                 profile: StepCostProfile | None = None, gate: DraftGate | None = None):
-        if scheduler == "confidence" and profile is None:
-            raise ValueError("the confidence scheduler needs a step cost profile")
+    def __init__(self, drafter, block_size: int, seed: int = 0, scheduler: str = "full", draft_gate: bool = False,
+                 calibration_steps: int = 6):
+        """``scheduler``: 'full' (every drafted token verified) or 'confidence' (Algorithm 1 over the measured cost
+        table, full blocks until it has one); ``draft_gate``: per request, skip drafting below the measured
+        break-even; ``calibration_steps``: plain decode steps at start-up that measure the cost of a plain step
+        (only when the gate or the confidence scheduler needs the table)."""
         self.drafter, self.block_size = drafter, block_size
-        self.scheduler, self.profile, self.gate = scheduler, profile, gate
+        self.scheduler, self.use_gate = scheduler, draft_gate
+        self.costs = MeasuredCosts()
+        self.calibration_left = calibration_steps if (draft_gate or scheduler == "confidence") else 0
+        self.gate: DraftGate | None = None  # built once the cost table exists
+        self._gate_profile: StepCostProfile | None = None
         self.seeds = torch.Generator().manual_seed(seed)  # seeds of requests that bring none
         self.sequences: dict[str, _Sequence] = {}
         self.stats = StepDrafterStats()
@@ -106,8 +145,8 @@ class StepDrafter:
         self.drafter.start_sequence(handle, params.max_total_tokens)
         self._handles[rid] = handle
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.seeds))
-        seq = _Sequence(torch.Generator().manual_seed(seed), self.gate.new_state() if self.gate else None)
-        self.sequences[rid] = seq
+        seq = _Sequence(torch.Generator().manual_seed(seed), None)
+        self.sequences[rid] = seq  # its gate record starts once the gate exists (see propose)
         return seq
 
     def _release(self, rid: str) -> None:
@@ -125,7 +164,10 @@ class StepDrafter:
         now = time.perf_counter()
         if self._last_call is not None:
             self.stats.step_seconds += now - self._last_call
+            if rows.request_ids and all(c for c in rows.committed_tokens):  # a decode step (no prompt chunk)
+                self.costs.record(sum(rows.num_scheduled), now - self._last_call)
         self.stats.steps += 1
+        self._refresh_gate()
         for rid in rows.finished:
             self._release(rid)
         drafting: list[int] = []  # row indices that draft this step
@@ -144,7 +186,9 @@ class StepDrafter:
                 self.stats.resyncs += 1
             if seq is None or seq.broken:
                 continue
-            if rows.num_drafted[i] and committed and seq.gate is not None and self.gate is not None:
+            if seq.gate is None and self.gate is not None:
+                seq.gate = self.gate.new_state()
+            if rows.num_drafted[i] and committed and seq.gate is not None:
                 self.gate.record(seq.gate, len(committed) - 1)
             kept = rows.num_scheduled[i] if not committed else rows.num_scheduled[i] - rows.num_drafted[i] + \
                 len(committed) - 1  # the row's last input token plus its accepted drafts (all of a prompt chunk)
@@ -160,6 +204,8 @@ class StepDrafter:
             if seq.gate is not None and not self.gate.wants_draft(seq.gate):
                 self.stats.gate_skips += 1
                 continue
+            if not rows.params[i].speculate:
+                continue
             drafting.append(i)
             anchors.append(committed[-1])
             positions.append(seq.context)
@@ -167,6 +213,9 @@ class StepDrafter:
             self.drafter.commit(commit_ids, commit_counts, torch.cat(commit_slices))
         tokens: list[list[int]] = [[] for _ in rows.request_ids]
         self._last_call = time.perf_counter()
+        if drafting and self.calibration_left > 0:  # plain steps first: the cost table's plain points
+            self.calibration_left -= 1
+            drafting = []
         if not drafting:
             return StepDrafts(tokens, None, None)
         start = time.perf_counter()
@@ -180,8 +229,9 @@ class StepDrafter:
         proposal = self.drafter.draft(DraftInputs(handles, torch.tensor(anchors), torch.tensor(positions)), sampling)
         budgets = torch.tensor([rows.params[i].max_total_tokens - positions[k] - 1
                                 for k, i in enumerate(drafting)])  # [B]
-        if self.scheduler == "confidence":
-            lengths = schedule_prefix(proposal.confidences, self.profile, budgets.clamp(max=self.block_size))
+        profile = self.costs.profile() if self.scheduler == "confidence" else None
+        if profile is not None:
+            lengths = schedule_prefix(proposal.confidences, profile, budgets.clamp(max=self.block_size))
         else:
             lengths = schedule_full(self.block_size, budgets)
         lengths_list = lengths.tolist()  # once per step, for the host's per-request lists
@@ -198,6 +248,26 @@ class StepDrafter:
             probs.index_copy_(0, torch.tensor(drafting), draft_probs)
         confidences = proposal.confidences.new_zeros(len(rows.request_ids), proposal.confidences.shape[1])
         confidences.index_copy_(0, torch.tensor(drafting), proposal.confidences)
-        self.stats.draft_seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.stats.draft_seconds += elapsed
+        self.costs.record_draft(elapsed)
         self._last_call = time.perf_counter()
         return StepDrafts(tokens, probs, confidences)
+
+    def _refresh_gate(self) -> None:
+        """The draft gate's break-even from the cost table (rebuilt as the table fills in)."""
+        if not self.use_gate:
+            return
+        profile = self.costs.profile()
+        if profile is None or profile == self._gate_profile:
+            return
+        self._gate_profile = profile
+        gate = DraftGate.from_profile(profile, self.block_size)
+        if self.gate is None:
+            self.gate = gate
+        else:
+            self.gate.break_even = gate.break_even
+
+    @property
+    def profile(self) -> StepCostProfile | None:
+        return self.costs.profile()

@@ -243,7 +243,7 @@ def dspark_options(config) -> dict[str, Any]:
     return {"draft": str(config.resolve(config.draft.path)), "dtype": config.draft.dtype,
             "block_size": engine.block_size, "draft_top_k": engine.draft_top_k,
             "kv_cache_tokens": engine.kv_cache_tokens, "kv_block_size": engine.kv_block_size,
-            "draft_gate": engine.draft_gate, "seed": 0}
+            "draft_gate": engine.draft_gate, "scheduler": engine.scheduler, "seed": 0}
 
 
 def serve_command(args: dict[str, Any]) -> list[str]:
@@ -301,7 +301,7 @@ class VllmEngine:
     GPUs); each step's speculative-decoding counters come from vLLM's stats (:func:`_spec_counters`).
     """
 
-    drafter = None  # the DSpark drafter actor behind vLLM is the next step; vLLM's own proposers draft inside it
+    drafter = None  # our DSpark proposer's StepDrafter (vllm_speculation 'dspark_plugin'); vLLM's own draft inside it
 
     def __init__(self, config):  # config: dspark.schema.EngineFileConfig with concrete dtypes
         for key, value in engine_env(config).items():
@@ -323,7 +323,11 @@ class VllmEngine:
         self.speculation_enabled = spec is not None
         self.metrics = SpecMetrics()
         self.engine_args = EngineArgs(**args)
+        if spec and spec["method"] == "custom_class":
+            register_plugin()  # vLLM loads it from the entry point too; here it is sure to be in before the engine
         self.llm = LLMEngine.from_engine_args(self.engine_args, stat_loggers=[_spec_counters(self.metrics)])
+        proposer = dspark_proposer(self.llm)
+        self.drafter = proposer.step_drafter if proposer is not None else None
         self.tokenizer = load_tokenizer(path, config.target.trust_remote_code)
         self.allocator = _KvView(self.llm)
         self.requests: dict = {}  # request id -> dspark.decoding.request.Request (prompt, params, per-request metrics)
@@ -339,6 +343,11 @@ class VllmEngine:
         return [rid for rid in self.requests if rid in self._started]
 
     @property
+    def profile(self):
+        """The cost table our proposer measured on vLLM's own steps (None: no proposer, or not measured yet)."""
+        return self.drafter.profile if self.drafter is not None else None
+
+    @property
     def waiting(self) -> list[int]:
         return [rid for rid in self.requests if rid not in self._started]
 
@@ -347,8 +356,10 @@ class VllmEngine:
 
 
         check_request(prompt_ids, params, self.config.max_model_len, self.target.config.vocab_size)
-        self.llm.add_request(str(request_id), TokensPrompt(prompt_token_ids=list(prompt_ids)),
-                             vllm_sampling_params(params))
+        sampling = vllm_sampling_params(params)
+        if self.drafter is not None:  # the request's (or the load-aware switch's) choice, read by our proposer
+            sampling.extra_args = {SPECULATE_ARG: bool(speculate and self.speculation_enabled)}
+        self.llm.add_request(str(request_id), TokensPrompt(prompt_token_ids=list(prompt_ids)), sampling)
         self.requests[request_id] = Request(request_id, list(prompt_ids), params)
         return request_id
 
@@ -379,6 +390,9 @@ class VllmEngine:
             results.append(RequestOutput(rid, new, out.finished, reason))
         self.num_steps += 1
         self.timings["step"] += time.perf_counter() - start
+        if self.drafter is not None:  # before the scheduler, and the gate's plain rounds: our proposer's counts
+            self.metrics.num_drafted_tokens = self.drafter.stats.drafted_tokens
+            self.metrics.draft_skips = self.drafter.stats.gate_skips
         return results
 
     def abort(self, request_id: int) -> None:
@@ -427,6 +441,7 @@ def vllm_sampling_params(params):
 # Upstream, this is a proposer interface that declares its feature layers and receives the step's hidden states.
 
 DSPARK_PROPOSER = "dspark.integrations.vllm_compat.DSparkProposer"
+SPECULATE_ARG = "dspark_speculate"  # SamplingParams.extra_args key: False = this request decodes plainly
 
 
 class DSparkProposer:
@@ -471,7 +486,9 @@ class DSparkProposer:
         block = int(opts.get("block_size") or self.num_speculative_tokens)
         drafter = DSparkDrafter(self.model, int(opts.get("kv_cache_tokens", 32768)), int(opts.get("kv_block_size", 16)),
                                 int(opts.get("draft_top_k", 0)), block)
-        self.step_drafter = StepDrafter(drafter, block, seed=int(opts.get("seed", 0)))
+        self.step_drafter = StepDrafter(drafter, block, seed=int(opts.get("seed", 0)),
+                                        scheduler=opts.get("scheduler", "full"),
+                                        draft_gate=bool(opts.get("draft_gate", False)))
 
     def propose(self, *args, **kwargs):
         raise RuntimeError(f"{DSPARK_PROPOSER} drafts from hidden states: load the dspark vLLM plugin "
@@ -498,7 +515,8 @@ class DSparkProposer:
             sp = state.sampling_params
             limit = len(state.prompt_token_ids or ()) + (sp.max_tokens or self.max_model_len)
             params.append(RowParams(float(sp.temperature), float(sp.top_p), max(int(sp.top_k or 0), 0), sp.seed,
-                                    min(limit, self.max_model_len)))
+                                    min(limit, self.max_model_len),
+                                    bool((sp.extra_args or {}).get(SPECULATE_ARG, True))))
         finished = set(scheduler_output.finished_req_ids) | set(getattr(scheduler_output, "preempted_req_ids", None)
                                                                 or ())
         features = torch.cat([h[:total] for h in aux_hidden_states], dim=-1)  # [total, K * hidden]
