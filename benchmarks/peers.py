@@ -129,7 +129,13 @@ def vllm_system(config_path: Path, dtype: str, speculation: str, prompts, max_to
     proc = ctx.Process(target=_vllm_worker, args=(str(config_path), dtype, speculation, prompts, max_tokens,
                                                   greedy_batch_1_only, queue))
     proc.start()
-    results = queue.get()
+    while True:  # a worker that dies (a bad engine argument) must not leave the run waiting forever
+        try:
+            results = queue.get(timeout=5)
+            break
+        except Exception:
+            if not proc.is_alive():
+                raise RuntimeError(f"the vLLM {speculation} worker exited with {proc.exitcode}") from None
     proc.join()
     return results
 

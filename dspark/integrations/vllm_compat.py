@@ -460,7 +460,9 @@ class DSparkProposer:
         self.options = options
         self.num_speculative_tokens = vllm_config.speculative_config.num_speculative_tokens
         target = read_target_config(vllm_config.model_config.model)
-        dtype = options.get("dtype") or str(vllm_config.model_config.dtype).removeprefix("torch.")
+        dtype = options.get("dtype")
+        if dtype in (None, "auto"):  # as the target runs in vLLM
+            dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         self.model = load_draft(options["draft"], target, DTYPES[dtype])
         self.aux_layer_ids = tuple(aux_ids_from_target_layers(self.model.config.target_layer_ids))
         self.vocab_size = vllm_config.model_config.get_vocab_size()
