@@ -104,10 +104,10 @@ class MeasuredCosts:
 
 
 class _Sequence:
-    def __init__(self, generator: torch.Generator, gate: GateState | None):
+    def __init__(self, generator: torch.Generator):
         self.context = 0  # committed positions whose features the drafter holds (or has pending)
         self.generator = generator
-        self.gate = gate
+        self.gate: GateState | None = None  # the draft gate's record, from the first step the gate exists
         self.broken = False  # out of step with the host: decodes plainly until it finishes
 
 
@@ -145,7 +145,7 @@ class StepDrafter:
         self.drafter.start_sequence(handle, params.max_total_tokens)
         self._handles[rid] = handle
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.seeds))
-        seq = _Sequence(torch.Generator().manual_seed(seed), None)
+        seq = _Sequence(torch.Generator().manual_seed(seed))
         self.sequences[rid] = seq  # its gate record starts once the gate exists (see propose)
         return seq
 
@@ -154,10 +154,6 @@ class StepDrafter:
         handle = self._handles.pop(rid, None)
         if handle is not None:
             self.drafter.release_sequence(handle)
-
-    def release_all(self) -> None:
-        for rid in list(self.sequences):
-            self._release(rid)
 
     # ------------------------------------------------------------------------------------------------ one step
     def propose(self, rows: StepRows) -> StepDrafts:
@@ -201,10 +197,10 @@ class StepDrafter:
             budget = rows.params[i].max_total_tokens - seq.context - 1
             if budget <= 0:
                 continue
+            if not rows.params[i].speculate:
+                continue
             if seq.gate is not None and not self.gate.wants_draft(seq.gate):
                 self.stats.gate_skips += 1
-                continue
-            if not rows.params[i].speculate:
                 continue
             drafting.append(i)
             anchors.append(committed[-1])

@@ -449,8 +449,6 @@ class DSparkProposer:
     per request from the target's hidden states (``dspark.integrations.step_drafter.StepDrafter``)."""
 
     def __init__(self, vllm_config):
-        import torch
-
         from dspark.formats.checkpoint import aux_ids_from_target_layers, load_draft
         from dspark.model.target_model import DTYPES
 
@@ -468,7 +466,6 @@ class DSparkProposer:
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.max_model_len = vllm_config.model_config.max_model_len
         self.step_drafter = None  # built in load_model, once the target's embedding and LM head exist
-        self._torch = torch
 
     def load_model(self, target_model) -> None:
         """Share the target's embedding and LM head (vLLM's tensors, not copies)."""
@@ -498,7 +495,8 @@ class DSparkProposer:
 
     def propose_step(self, runner, scheduler_output, sampled_token_ids: list[list[int]], aux_hidden_states):
         """One step: the runner's state as :class:`StepRows`, the drafts back as vLLM's lists (and probabilities)."""
-        torch = self._torch
+        import torch
+
         from dspark.integrations.step_drafter import RowParams, StepRows
 
         req_ids = list(runner.input_batch.req_ids)
