@@ -29,12 +29,17 @@ from dspark.training.prepare import prepare_target
 
 
 def logit_gap(model, ids: list[int], a: int, b: int) -> dict:
-    """Logits of tokens ``a`` (plain) and ``b`` (speculative) after ``ids``, fp32, in ``transformers``."""
+    """Logits of tokens ``a`` (plain) and ``b`` (speculative) after ``ids``, fp32, in ``transformers``.
+
+    ``margin`` is how far the lower of the two sits below the fp32 best token: a flip is a near-tie of the two
+    engines' kernels when both choices are within the dtype's rounding of the best, whichever token that is (in bf16
+    three candidates can sit within one rounding step, so the fp32 reference may pick a third)."""
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0, -1].float()  # [V]
     top = torch.topk(logits, 2).values
     return {"plain_logit": float(logits[a]), "spec_logit": float(logits[b]), "gap": float(logits[a] - logits[b]),
-            "top2_gap": float(top[0] - top[1]), "logit_scale": float(logits.abs().max())}
+            "top2_gap": float(top[0] - top[1]),
+            "margin": float(top[0] - torch.minimum(logits[a], logits[b])), "logit_scale": float(logits.abs().max())}
 
 
 def main(argv: list[str] | None = None) -> int:

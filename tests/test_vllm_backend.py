@@ -98,8 +98,9 @@ def test_native_engine_differs_from_vllm_only_at_near_ties(app, offline, dtype):
     """The native engine (the reference implementation, plain greedy) against offline vLLM on the same 40 prompts,
     in the served dtype (bf16) and in fp32: every prompt where they part is a near-tie of the two engines' kernels.
     At the first differing token the two candidates' logits, computed independently by ``transformers`` in fp32 on
-    the shared prefix, are within the dtype's rounding of each other (NEAR_TIE), and the fp32 reference's own
-    choice is one of the two. The differences are counted and printed with their gaps."""
+    the shared prefix, are both within the dtype's rounding (NEAR_TIE) of the fp32 reference's best logit (in bf16
+    the best may be a third token: logits near 26 are rounded in steps of 0.125). The differences are counted and
+    printed with their gaps."""
     from transformers import AutoModelForCausalLM
 
     from benchmarks.near_ties import logit_gap
@@ -124,7 +125,7 @@ def test_native_engine_differs_from_vllm_only_at_near_ties(app, offline, dtype):
         d = next(k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b)
         gap = logit_gap(hf, prompt + ours[:d], ours[d], theirs[d])
         ties.append((d, gap["gap"]))
-        assert abs(gap["gap"]) <= NEAR_TIE[dtype] and abs(gap["gap"]) >= gap["top2_gap"] - 1e-4, gap
+        assert gap["margin"] <= NEAR_TIE[dtype], gap  # both choices within rounding of the fp32 best
     print(f"native vs vLLM ({dtype}, {len(ids)} prompts x {MAX_TOKENS} tokens): {len(ties)} differ; "
           f"(first differing token, fp32 logit gap): {[(d, round(g, 4)) for d, g in ties]}")
 

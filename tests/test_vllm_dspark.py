@@ -110,7 +110,7 @@ def test_greedy_equals_plain_vllm(greedy_runs, fp32_config):
         d = next(k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b)
         gap = logit_gap(hf, prompt + ours[:d], ours[d], theirs[d])
         ties.append((d, round(gap["gap"], 5)))
-        assert abs(gap["gap"]) <= NEAR_TIE_FP32 and abs(gap["gap"]) >= gap["top2_gap"] - 1e-4, gap
+        assert gap["margin"] <= NEAR_TIE_FP32, gap  # both choices within rounding of the fp32 best
     print(f"vLLM + DSpark at concurrency 8 vs plain vLLM: {len(ties)} of {PROMPTS} differ (first differing token, "
           f"fp32 logit gap): {ties}")
 
