@@ -1,10 +1,16 @@
-"""The DSpark drafter actor and the router's handle on it.
+"""The DSpark drafter actor and the handles on it.
 
 ``DraftWorker`` holds the draft head, its own copy of the target's embedding and LM head, the
-per-sequence context cache and one random generator per request. The context rows (fused
-target hidden states) arrive from target shard 0 over the feature channel; the router only
-says which requests each message belongs to. Draft tokens, confidences and the (sparse)
-draft distributions go back to the router as an ordinary actor result.
+per-sequence context cache and one random generator per request. The context rows (target
+hidden states at the head's layers) arrive over the feature channel, a gloo (CPU) or NCCL (GPU)
+process group, never the object store; the caller only says which requests each message
+belongs to. Draft tokens, confidences and the (sparse) draft distributions go back as an
+ordinary actor result.
+
+Two senders: on the native backend target shard 0 sends the features and the router holds a
+``RemoteDrafter``; on the vllm backend vLLM computes the target in the replica process and our
+proposer in its model runner sends them, through ``DrafterActorHost`` (``engine.vllm_drafter:
+actor``), which also replaces a failed actor without holding vLLM's step back.
 """
 
 from __future__ import annotations
@@ -17,9 +23,16 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from actors.collective import FeatureChannel, TransportCounters, device_placement, join_group, resolve_backend
+from actors.collective import (
+    FeatureChannel,
+    StoreHost,
+    TransportCounters,
+    device_placement,
+    join_group,
+    resolve_backend,
+)
 from actors.serialization import register_tensor_serializer
-from dspark.decoding.drafter import DraftInputs, DSparkDrafter
+from dspark.decoding.drafter import DrafterUnavailable, DraftInputs, DSparkDrafter
 from dspark.decoding.request import Request
 from dspark.decoding.sampling import SamplingTensors
 from dspark.formats.checkpoint import load_draft
@@ -33,13 +46,14 @@ from dspark.schema import EngineFileConfig
 class DraftCall:
     """One ``DraftWorker.propose`` call: bookkeeping since the last call, then the batch to draft."""
 
-    started: list[tuple[int, int, int]]  # (request id, cache reservation in tokens, seed)
+    started: list[tuple[int, int, int | None]]  # (request id, cache reservation in tokens, seed; None: in seeds)
     released: list[int]
     ingest: list[tuple[list[int], list[int]]]  # per feature message, in send order: request ids, rows each
     inputs: DraftInputs
     temperature: torch.Tensor  # [B]
     top_p: torch.Tensor  # [B]
     top_k: torch.Tensor  # [B]
+    seeds: dict[int, int] = field(default_factory=dict)  # generators to seed before drafting (at a first draft)
 
 
 @ray.remote
@@ -81,7 +95,8 @@ class DraftWorker:
             self.generators.pop(rid, None)
         for rid, reservation, seed in call.started:
             self.drafter.start_sequence(rid, reservation)
-            self.generators[rid] = torch.Generator().manual_seed(seed)
+            if seed is not None:
+                self.generators[rid] = torch.Generator().manual_seed(seed)
         for rid in call.released:
             if rid in started:  # finished before its first draft call
                 self.drafter.release_sequence(rid)
@@ -93,6 +108,8 @@ class DraftWorker:
                 raise RuntimeError(f"feature message of {rows.shape[0]} rows, expected {sum(kept)}")
             self.drafter.commit(ids, kept, rows)
         timing = {"recv_s": time.perf_counter() - recv_start}
+        for rid, seed in call.seeds.items():
+            self.generators[rid] = torch.Generator().manual_seed(seed)
         sampling = SamplingTensors(call.temperature, call.top_p, call.top_k,
                                    [self.generators[i] for i in call.inputs.request_ids])
         start = time.perf_counter()
@@ -119,20 +136,25 @@ class DraftWorker:
 
 @dataclass
 class RemoteDrafter:
-    """The router's ``Drafter``: batches start/release/ingest bookkeeping into the next draft call.
+    """A handle on one ``DraftWorker``: batches start/release/ingest bookkeeping into the next draft call.
 
-    ``result`` returns None when the actor died or timed out; the engine then decodes those
-    requests without drafts, and the router replaces the actor.
+    Two interfaces: the native engine's ``Drafter`` (``start``/``submit``/``result``, the router's), and the
+    sequence interface of ``dspark.integrations.step_drafter.StepDrafter`` (``start_sequence``/``commit``/
+    ``draft``) for a host that sends the features itself over ``channel``. ``result`` returns None (``draft``
+    raises ``DrafterUnavailable``) when the actor died or missed ``timeout_s``; the caller then decodes those
+    requests without drafts and replaces the actor.
     """
 
     actor: object
     block_size: int
     timeout_s: float
+    channel: FeatureChannel | None = None  # this process's end of the feature channel, when it sends the features
     available: bool = True
     last_timing: dict = field(default_factory=dict)  # the actor's recv_s / draft_s of the last call
     _started: list = field(default_factory=list)
     _released: list = field(default_factory=list)
     _ingest: list = field(default_factory=list)
+    _seeded: set = field(default_factory=set)
 
     def can_start(self, request: Request) -> bool:
         return True  # same token budget as the target's cache, whose reservation is checked first
@@ -145,13 +167,44 @@ class RemoteDrafter:
         self._released.append(request.request_id)
 
     def commit(self, request_ids: list[int], kept: list[int], features: torch.Tensor | None) -> None:
+        # features: [sum kept, K * hidden], sent here only by a host with a channel (shard 0 sends its own)
+        if self.channel is not None and features is not None:
+            try:
+                self.channel.send(features)
+            except RuntimeError as error:  # the peer is gone
+                self.available = False
+                raise DrafterUnavailable(f"feature channel: {error}") from error
         self._ingest.append((request_ids, kept))
 
     def submit(self, requests: list[Request], sampling: SamplingTensors):
-        call = DraftCall(self._started, self._released, self._ingest, DraftInputs.from_requests(requests),
-                         sampling.temperature, sampling.top_p, sampling.top_k)
+        return self._call(DraftInputs.from_requests(requests), sampling)
+
+    def _call(self, inputs: DraftInputs, sampling: SamplingTensors, seeds: dict[int, int] | None = None):
+        call = DraftCall(self._started, self._released, self._ingest, inputs, sampling.temperature, sampling.top_p,
+                         sampling.top_k, seeds or {})
         self._started, self._released, self._ingest = [], [], []
         return self.actor.propose.remote(call)
+
+    # the sequence interface (StepDrafter's drafter)
+    def can_start_sequence(self, reservation: int) -> bool:
+        return self.available  # the actor's cache has the target's token budget
+
+    def start_sequence(self, handle: int, reservation: int) -> None:
+        self._started.append((handle, reservation, None))  # its generator is seeded with its first draft call
+
+    def release_sequence(self, handle: int) -> None:
+        self._released.append(handle)
+        self._seeded.discard(handle)
+
+    def draft(self, inputs: DraftInputs, sampling: SamplingTensors) -> DraftProposal:
+        """One block per sequence, drawn in the actor with generators seeded as the caller's (the same draws as
+        drafting in process)."""
+        seeds = {h: g.initial_seed() for h, g in zip(inputs.request_ids, sampling.generators) if h not in self._seeded}
+        proposal = self.result(self._call(inputs, sampling, seeds))
+        if proposal is None:
+            raise DrafterUnavailable("the drafter actor died or missed its deadline")
+        self._seeded.update(seeds)
+        return proposal
 
     def result(self, ref) -> DraftProposal | None:
         try:
@@ -163,3 +216,145 @@ class RemoteDrafter:
 
     def round_seconds(self) -> float:
         return ray.get(self.actor.round_seconds.remote())
+
+
+class DrafterActorHost:
+    """The drafter actor of a host engine that runs the target in this process and sends the hidden states itself:
+    vLLM's model runner, through ``dspark.integrations.vllm_compat.DSparkProposer`` (``engine.vllm_drafter:
+    actor``). Starts a ``DraftWorker`` (in the replica's placement group when given one), hosts rank 0 of the
+    feature channel here, and has the sequence interface of ``StepDrafter``'s drafter.
+
+    Never holds the target back: a draft call past ``runtime.drafter_timeout_s``, an actor death or a broken
+    channel raises ``DrafterUnavailable`` for that step (the host decodes it plainly: the same output), and the
+    replacement actor is started at once but connected only once it is up (polled without blocking when a new
+    request asks to speculate); until then nothing drafts.
+    """
+
+    def __init__(self, config: EngineFileConfig, scheduling_strategy=None, device: torch.device | None = None):
+        """``config`` with concrete dtypes; ``device``: where the host's hidden states are (CPU: gloo)."""
+        register_tensor_serializer()
+        self.config, self.strategy = config, scheduling_strategy
+        self.device = device or torch.device("cpu")
+        self.failures = 0
+        self.restarts = 0
+        self.pid: int | None = None
+        self.remote: RemoteDrafter | None = None
+        self._sent = TransportCounters()  # this end's counters of channels already closed
+        self._store: StoreHost | None = None
+        self._pending = None  # (actor, ping ref) of a replacement being started
+        actor = self._new_actor()
+        try:
+            ray.get(actor.ping.remote(), timeout=config.runtime.collective_timeout_s + 600)  # loads its weights
+            self._connect(actor)
+        except BaseException:
+            ray.kill(actor, no_restart=True)
+            raise
+
+    def _new_actor(self):
+        rt = self.config.runtime
+        options = {"num_cpus": rt.drafter_cpus, "num_gpus": rt.drafter_gpus,
+                   "runtime_env": {"env_vars": rt.actor_env()}}
+        if self.strategy is not None:
+            options["scheduling_strategy"] = self.strategy
+        return DraftWorker.options(**options).remote(self.config)
+
+    def _connect(self, actor) -> None:
+        rt = self.config.runtime
+        store = StoreHost(2, rt.collective_timeout_s)
+        joined = actor.join_channel.remote(store.address)
+        group = join_group(store.address, 0, 2, resolve_backend(rt.backend, self.device), rt.collective_timeout_s,
+                           store)
+        ray.get(joined, timeout=rt.collective_timeout_s)
+        block = ray.get(actor.block_size.remote())
+        self.pid = ray.get(actor.pid.remote())
+        self._store = store
+        self.remote = RemoteDrafter(actor, block, rt.drafter_timeout_s,
+                                    channel=FeatureChannel(group, DTYPES[self.config.target.dtype], self.device))
+
+    def _replace(self) -> None:
+        """The actor failed: count it, drop it and its channel (undelivered messages are abandoned), start another."""
+        self.failures += 1
+        old, self.remote, self.pid, self._store = self.remote, None, None, None
+        if old is not None:
+            self._sent = _summed(self._sent, old.channel.counters)
+            ray.kill(old.actor, no_restart=True)
+        actor = self._new_actor()
+        self._pending = (actor, actor.ping.remote())
+
+    def poll(self) -> None:
+        """Connect a replacement that has come up (never waits for one)."""
+        if self._pending is None:
+            return
+        actor, ping = self._pending
+        if not ray.wait([ping], timeout=0)[0]:
+            return
+        self._pending = None
+        try:
+            ray.get(ping)
+            self._connect(actor)
+            self.restarts += 1
+        except (ray.exceptions.RayError, RuntimeError):
+            ray.kill(actor, no_restart=True)
+            actor = self._new_actor()
+            self._pending = (actor, actor.ping.remote())
+
+    # the sequence interface (StepDrafter's drafter)
+    @property
+    def available(self) -> bool:
+        return self.remote is not None and self.remote.available
+
+    def can_start_sequence(self, reservation: int) -> bool:
+        self.poll()
+        return self.available
+
+    def start_sequence(self, handle: int, reservation: int) -> None:
+        self.remote.start_sequence(handle, reservation)
+
+    def release_sequence(self, handle: int) -> None:
+        if self.available:
+            self.remote.release_sequence(handle)
+
+    def commit(self, request_ids: list[int], kept: list[int], features: torch.Tensor) -> None:
+        # features: [sum kept, K * hidden]
+        try:
+            self.remote.commit(request_ids, kept, features)
+        except DrafterUnavailable:
+            self._replace()
+            raise
+
+    def draft(self, inputs: DraftInputs, sampling: SamplingTensors) -> DraftProposal:
+        try:
+            return self.remote.draft(inputs, sampling)
+        except DrafterUnavailable:
+            self._replace()
+            raise
+
+    # operators
+    def kill(self) -> None:
+        """Kill the actor (tests and drills: the next draft call finds it dead)."""
+        if self.remote is not None:
+            ray.kill(self.remote.actor, no_restart=True)
+
+    @property
+    def sent(self) -> TransportCounters:
+        """This end's channel counters over every actor so far: what travelled by the collective channel."""
+        return _summed(self._sent, self.remote.channel.counters) if self.remote is not None else self._sent
+
+    def transport_stats(self) -> dict:
+        receiver = None
+        if self.available:
+            try:
+                receiver = ray.get(self.remote.actor.stats.remote(), timeout=self.config.runtime.drafter_timeout_s)
+            except ray.exceptions.RayError:
+                receiver = None
+        return {"host": self.sent.as_dict(), "drafter": receiver, "drafter_failures": self.failures,
+                "drafter_restarts": self.restarts, "object_store_feature_bytes": 0}
+
+    def shutdown(self) -> None:
+        for actor in [*([self.remote.actor] if self.remote else []), *([self._pending[0]] if self._pending else [])]:
+            ray.kill(actor, no_restart=True)
+        self.remote, self._pending = None, None
+
+
+def _summed(a: TransportCounters, b: TransportCounters) -> TransportCounters:
+    return TransportCounters(a.messages + b.messages, a.bytes + b.bytes, a.rows + b.rows, a.seconds + b.seconds)

@@ -1,4 +1,4 @@
-"""Target shard actors and the router's handle on them.
+"""The target: shard actors and the router's handle on them (native backend), or vLLM's engine (vllm backend).
 
 A replica's target runs as ``tp_size`` ``TargetShard`` actors. Each holds its tensor-parallel
 slice of the model (``dspark.model.tensor_parallel``), read from the checkpoint slice by slice
@@ -144,3 +144,29 @@ class RemoteTarget:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         ray.get([shard.forward.remote(input_ids, positions, meta) for shard in self.shards], timeout=self.timeout_s)
+
+
+def vllm_target(config: EngineFileConfig, placement=None, drafter_bundle: int | None = None):
+    """The vllm backend's target: vLLM's engine in this process (``dspark.integrations.vllm_compat.VllmEngine``)
+    and, with ``engine.vllm_drafter: actor``, our DSpark head in a drafter actor beside it (bundle
+    ``drafter_bundle`` of ``placement``, the replica's placement group), fed the hidden states over the feature
+    channel. ``config`` with concrete dtypes."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from actors.draft_actor import DrafterActorHost
+    from dspark.integrations.vllm_compat import VllmEngine
+
+    engine = VllmEngine(config)
+    if config.engine.vllm_drafter != "actor" or engine.proposer is None:
+        return engine
+    strategy = None
+    if placement is not None and drafter_bundle is not None:
+        strategy = PlacementGroupSchedulingStrategy(placement_group=placement,
+                                                    placement_group_bundle_index=drafter_bundle)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        engine.attach_drafter(DrafterActorHost(config, strategy, device))
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine

@@ -45,6 +45,9 @@ METRICS = (
     MetricSpec("spec_decode_drafter_failures", "counter", "Drafter actor failures (died or timed out)."),
     MetricSpec("spec_decode_draft_skips", "counter", "Request-rounds the draft gate decoded without drafting "
                                                      "(the request's recent drafts were below break-even)."),
+    MetricSpec("spec_decode_feature_bytes", "counter", "Target hidden-state bytes sent to the drafter actor over "
+                                                       "the collective channel (gloo / NCCL; vllm backend, "
+                                                       "engine.vllm_drafter 'actor')."),
     MetricSpec("target_restarts", "counter", "Restarts of the replica's target shards (and drafter) after a "
                                              "target failure; the failed step's requests got a retryable error."),
     MetricSpec("spec_decode_acceptance_length", "histogram", "Per-request acceptance length (completion tokens / "
@@ -134,6 +137,7 @@ class ReplicaTelemetry:
         self.inc("spec_decode_drafter_fallbacks", metrics.drafter_fallbacks - last.drafter_fallbacks)
         self.inc("spec_decode_draft_skips", metrics.draft_skips - last.draft_skips)
         self.inc("spec_decode_drafter_failures", metrics.drafter_failures - last.drafter_failures)
+        self.inc("spec_decode_feature_bytes", metrics.feature_bytes - last.feature_bytes)
         self.inc("generation_tokens", metrics.completion_tokens - last.completion_tokens)
         for pos, count in enumerate(metrics.accepted_per_pos):
             before = last.accepted_per_pos[pos] if pos < len(last.accepted_per_pos) else 0

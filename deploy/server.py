@@ -19,6 +19,7 @@ from ray.util import get_current_placement_group
 from actors.router import Router
 from actors.serving_loop import ServingLoop
 from actors.speculation_switch import SpeculationSwitch
+from actors.target_actor import vllm_target
 from actors.telemetry import ReplicaTelemetry
 from actors.tracing import RequestTracer, make_provider
 from deploy.auth import KeyCheck, read_api_key, require_key_or_consent
@@ -66,10 +67,10 @@ class DSparkServer(GrpcApi):
         # handler formatting a chunk can hold the next step back for up to 5 ms (per token at concurrency 1).
         sys.setswitchinterval(0.0005)
         if config.engine.backend == "vllm":  # vLLM's engine in this process: it computes here
-            from dspark.integrations.vllm_compat import VllmEngine
-
-            # threads: OMP_NUM_THREADS from the deployment (deploy.ray_app.replica_threads_env); vLLM binds them
-            self.router = VllmEngine(config.with_concrete_dtypes(target_on_gpu=torch.cuda.is_available())[0])
+            # threads: OMP_NUM_THREADS from the deployment (deploy.ray_app.replica_threads_env); vLLM binds them;
+            # the drafter actor (engine.vllm_drafter: actor) takes the bundle after the replica's
+            self.router = vllm_target(config.with_concrete_dtypes(target_on_gpu=torch.cuda.is_available())[0],
+                                      get_current_placement_group(), drafter_bundle=1)
         else:
             placement = get_current_placement_group()
             torch.set_num_threads(config.runtime.router_threads)  # the router only batches; actors compute

@@ -85,6 +85,14 @@ class EngineSpec(_Strict):
                            "of draft.path with its Markov head, exact draft probabilities, the draft gate and "
                            "full blocks; 'ngram': vLLM's prompt lookup (block_size tokens); 'off': plain decoding. "
                            "Ignored by the native backend.")
+    vllm_drafter: Literal["colocated", "actor"] = Field(
+        "colocated", description="vllm backend with vllm_speculation 'dspark_plugin': where our DSpark head drafts. "
+                                 "'colocated': in vLLM's model runner; 'actor': in the drafter actor "
+                                 "(actors/draft_actor.py, runtime.drafter_cpus/gpus, in the replica's placement "
+                                 "group), fed the target's hidden states over the collective channel (gloo on "
+                                 "CPU, NCCL on GPU); a draft call past runtime.drafter_timeout_s or a dead actor "
+                                 "costs that step its drafts (plain decoding, the same output) and the actor is "
+                                 "replaced. Needs tp_size 1 (vLLM's engine in the replica process).")
     vllm_enforce_eager: bool = Field(
         True, description="vllm backend: skip torch.compile / CUDA graphs (starts in seconds; compiled it "
                           "decodes faster after a first start of minutes, cached on disk).")
@@ -110,7 +118,7 @@ class EngineSpec(_Strict):
                            "rounds (lossless: the choice depends only on rounds already verified).")
 
     def to_core(self, dtype: str) -> EngineConfig:
-        vllm_only = {"backend", "vllm_enforce_eager", "vllm_speculation"}
+        vllm_only = {"backend", "vllm_enforce_eager", "vllm_speculation", "vllm_drafter"}
         return EngineConfig(dtype=dtype, **self.model_dump(exclude=vllm_only))
 
 
@@ -255,6 +263,15 @@ class EngineFileConfig(_Strict):
         spec = self.engine.vllm_speculation
         if self.engine.backend == "vllm" and spec in ("dspark", "dspark_plugin") and not self.draft.path:
             raise ValueError(f"engine.vllm_speculation: '{spec}' drafts with draft.path, and no draft.path is set")
+        if self.engine.vllm_drafter == "actor":
+            if self.engine.backend != "vllm" or spec != "dspark_plugin":
+                raise ValueError("engine.vllm_drafter: 'actor' is our DSpark proposer's drafter actor; it needs "
+                                 "engine.backend 'vllm' and engine.vllm_speculation 'dspark_plugin' (the native "
+                                 "backend always drafts in an actor)")
+            if self.runtime.tp_size > 1:
+                raise ValueError("engine.vllm_drafter: 'actor' needs runtime.tp_size 1 for now: with tensor "
+                                 "parallelism the proposer runs in vLLM's rank-0 Ray worker, which does not host "
+                                 "the drafter's channel yet")
         return self
 
     def resolve(self, path: str) -> Path:

@@ -167,3 +167,31 @@ def test_vllm_dspark_without_a_draft_is_refused_by_name(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 2 and "engine.vllm_speculation" in out.stderr and "Traceback" not in out.stderr
     assert serve_command({"model": "/m", "enforce_eager": False})[3:] == ["--no-enforce-eager"]
+
+
+@pytest.mark.parametrize("engine, runtime", [
+    ({"vllm_drafter": "actor"}, {}),  # the native backend: its drafter is always an actor
+    ({"backend": "vllm", "vllm_speculation": "ngram", "vllm_drafter": "actor"}, {}),
+    ({"backend": "vllm", "vllm_speculation": "dspark_plugin", "vllm_drafter": "actor"}, {"tp_size": 2}),
+])
+def test_drafter_actor_mode_is_refused_by_name_where_it_cannot_run(tmp_path, engine, runtime):
+    config = load_engine_config(REPO / "configs" / "embedded.yaml")
+    with pytest.raises(ConfigError, match="engine.vllm_drafter"):
+        write_variant(config, tmp_path / "bad.yaml", engine=engine, runtime=runtime)
+
+
+def test_drafter_actor_mode_reserves_a_bundle_and_tells_the_proposer(tmp_path):
+    """engine.vllm_drafter 'actor': the replica's placement group gets the drafter's bundle after the replica's own
+    (the engine computes in bundle 0), and the proposer learns from --additional-config that it drafts remotely."""
+    config = load_engine_config(REPO / "configs" / "embedded.yaml")
+    colocated = load_engine_config(write_variant(config, tmp_path / "colocated.yaml",
+                                                 engine={"backend": "vllm", "vllm_speculation": "dspark_plugin"}))
+    actor = load_engine_config(write_variant(config, tmp_path / "actor.yaml", runtime={"drafter_cpus": 0.25},
+                                             engine={"backend": "vllm", "vllm_speculation": "dspark_plugin",
+                                                     "vllm_drafter": "actor"}))
+    assert deployment_options(colocated)["placement_group_bundles"] == \
+        deployment_options(actor)["placement_group_bundles"][:1]
+    assert deployment_options(actor)["placement_group_bundles"][1:] == [{"CPU": 0.25}]
+    assert engine_arguments(colocated.with_concrete_dtypes()[0])["additional_config"]["dspark"]["drafter"] == \
+        "colocated"
+    assert engine_arguments(actor.with_concrete_dtypes()[0])["additional_config"]["dspark"]["drafter"] == "actor"

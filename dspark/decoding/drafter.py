@@ -32,6 +32,11 @@ class DraftInputs:
                    torch.tensor([len(r.tokens) - 1 for r in requests]))
 
 
+class DrafterUnavailable(RuntimeError):
+    """A remote drafter died, timed out or lost its channel: the step goes on without drafts (plain decoding, the
+    same output), the sequences it held lose their context, and it is being replaced."""
+
+
 class Drafter(Protocol):
     block_size: int
     available: bool  # False while a remote drafter is down: new requests then decode without drafts

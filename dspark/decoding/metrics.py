@@ -20,6 +20,7 @@ class SpecMetrics:
     drafter_fallbacks: int = 0  # request-rounds decoded without a draft because the drafter failed
     drafter_failures: int = 0  # drafter failures (remote drafter died or timed out)
     draft_skips: int = 0  # request-rounds the draft gate decoded plainly (recent drafts below break-even)
+    feature_bytes: int = 0  # target hidden-state bytes sent to a drafter actor over the collective channel
 
     def record_round(self, drafted: int, scheduled: int, accepted: int) -> None:
         self.verify_steps += 1
@@ -45,7 +46,7 @@ class SpecMetrics:
         for name in (
             "num_drafts", "num_draft_tokens", "num_drafted_tokens", "num_accepted_tokens", "verify_steps",
             "completion_tokens", "num_requests", "sum_request_acceptance", "drafter_fallbacks", "drafter_failures",
-            "draft_skips",
+            "draft_skips", "feature_bytes",
         ):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.accepted_per_pos = _add_lists(self.accepted_per_pos, other.accepted_per_pos)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.decoding.draft_gate import DraftGate, GateState
-from dspark.decoding.drafter import DraftInputs
+from dspark.decoding.drafter import DrafterUnavailable, DraftInputs
 from dspark.decoding.sampling import SamplingTensors
 from dspark.decoding.scheduler import StepCostProfile, schedule_full, schedule_prefix
 
@@ -67,6 +67,8 @@ class StepDrafterStats:
     scheduled_tokens: int = 0  # tokens sent to verification (after it)
     gate_skips: int = 0  # request-steps the draft gate decoded plainly
     resyncs: int = 0  # requests whose context was out of step with the host (drafting stopped for them)
+    drafter_failures: int = 0  # a remote drafter died or missed its deadline (that step decoded plainly)
+    drafter_fallbacks: int = 0  # request-steps decoded plainly because a failed drafter took their context
     draft_seconds: float = 0.0
     step_seconds: float = 0.0  # wall time between consecutive calls: the host's step, drafting included
 
@@ -114,7 +116,12 @@ class _Sequence:
 class StepDrafter:
     """Per-request context bookkeeping and batched block drafting around a drafter with the sequence interface of
     ``dspark.decoding.drafter.DSparkDrafter`` (``can_start_sequence`` / ``start_sequence`` / ``release_sequence`` /
-    ``commit`` / ``draft``): the DSpark head over its paged context cache, in this process or behind an actor."""
+    ``commit`` / ``draft``): the DSpark head over its paged context cache, in this process or behind an actor.
+
+    A remote drafter that fails (``DrafterUnavailable`` from ``commit`` or ``draft``) costs that step its drafts and
+    every current request its context (held in the lost process): they finish decoding plainly, and requests that
+    start once the drafter is back (``can_start_sequence``) speculate again. ``drafter`` None: nothing drafts
+    until :meth:`attach` gives one."""
 
     def __init__(self, drafter, block_size: int, seed: int = 0, scheduler: str = "full", draft_gate: bool = False,
                  calibration_steps: int = 6):
@@ -133,14 +140,31 @@ class StepDrafter:
         self.stats = StepDrafterStats()
         self._last_call: float | None = None
         self._handles: dict[str, int] = {}  # host request id -> the drafter's integer sequence id
+        self._lost: set[str] = set()  # requests whose context a failed drafter took with it (decode plainly)
         self._next_handle = 0
 
     # ------------------------------------------------------------------------------------------------ lifecycle
+    def attach(self, drafter) -> None:
+        """Draft with ``drafter`` from now on (requests already running go on plainly: it holds no context of
+        theirs)."""
+        self.sequences.clear()
+        self._handles.clear()
+        self.drafter = drafter
+
+    def _drafter_lost(self, rows_that_wanted: int) -> None:
+        """A remote drafter failed: forget every sequence (their context is gone with it) and count it."""
+        self._lost.update(self.sequences)
+        self.sequences.clear()
+        self._handles.clear()
+        self.stats.drafter_failures += 1
+        self.stats.drafter_fallbacks += rows_that_wanted
+
     def _start(self, rid: str, params: RowParams) -> _Sequence | None:
         self._release(rid)
+        self._lost.discard(rid)
         handle = self._next_handle
         self._next_handle += 1
-        if not self.drafter.can_start_sequence(params.max_total_tokens):
+        if self.drafter is None or not self.drafter.can_start_sequence(params.max_total_tokens):
             return None  # no room in the draft context cache: this request decodes plainly
         self.drafter.start_sequence(handle, params.max_total_tokens)
         self._handles[rid] = handle
@@ -166,6 +190,7 @@ class StepDrafter:
         self._refresh_gate()
         for rid in rows.finished:
             self._release(rid)
+            self._lost.discard(rid)
         drafting: list[int] = []  # row indices that draft this step
         anchors, positions = [], []
         offsets = [0]
@@ -181,6 +206,8 @@ class StepDrafter:
                 seq.broken = True  # preempted and resumed from a prefix we never saw, or a bug: stop drafting it
                 self.stats.resyncs += 1
             if seq is None or seq.broken:
+                if committed and rid in self._lost and rows.params[i].speculate:
+                    self.stats.drafter_fallbacks += 1
                 continue
             if seq.gate is None and self.gate is not None:
                 seq.gate = self.gate.new_state()
@@ -205,9 +232,13 @@ class StepDrafter:
             drafting.append(i)
             anchors.append(committed[-1])
             positions.append(seq.context)
-        if commit_ids:
-            self.drafter.commit(commit_ids, commit_counts, torch.cat(commit_slices))
         tokens: list[list[int]] = [[] for _ in rows.request_ids]
+        if commit_ids:
+            try:
+                self.drafter.commit(commit_ids, commit_counts, torch.cat(commit_slices))
+            except DrafterUnavailable:
+                self._drafter_lost(len(drafting))
+                return StepDrafts(tokens, None, None)
         self._last_call = time.perf_counter()
         if drafting and self.calibration_left > 0:  # plain steps first: the cost table's plain points
             self.calibration_left -= 1
@@ -222,7 +253,13 @@ class StepDrafter:
             torch.tensor([p.top_k for p in params], dtype=torch.long),
             [self.sequences[rows.request_ids[i]].generator for i in drafting])
         handles = [self._handles[rows.request_ids[i]] for i in drafting]
-        proposal = self.drafter.draft(DraftInputs(handles, torch.tensor(anchors), torch.tensor(positions)), sampling)
+        try:
+            proposal = self.drafter.draft(DraftInputs(handles, torch.tensor(anchors), torch.tensor(positions)),
+                                          sampling)
+        except DrafterUnavailable:
+            self._drafter_lost(len(drafting))
+            self._last_call = time.perf_counter()
+            return StepDrafts(tokens, None, None)
         budgets = torch.tensor([rows.params[i].max_total_tokens - positions[k] - 1
                                 for k, i in enumerate(drafting)])  # [B]
         profile = self.costs.profile() if self.scheduler == "confidence" else None

@@ -16,6 +16,7 @@ import copy
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from dspark.config import GREEDY_BELOW, ConfigError, DraftConfig
@@ -243,7 +244,8 @@ def dspark_options(config) -> dict[str, Any]:
     return {"draft": str(config.resolve(config.draft.path)), "dtype": config.draft.dtype,
             "block_size": engine.block_size, "draft_top_k": engine.draft_top_k,
             "kv_cache_tokens": engine.kv_cache_tokens, "kv_block_size": engine.kv_block_size,
-            "draft_gate": engine.draft_gate, "scheduler": engine.scheduler, "seed": 0}
+            "draft_gate": engine.draft_gate, "scheduler": engine.scheduler, "seed": 0,
+            "drafter": engine.vllm_drafter}
 
 
 def serve_command(args: dict[str, Any]) -> list[str]:
@@ -326,8 +328,9 @@ class VllmEngine:
         if spec and spec["method"] == "custom_class":
             register_plugin()  # vLLM loads it from the entry point too; here it is sure to be in before the engine
         self.llm = LLMEngine.from_engine_args(self.engine_args, stat_loggers=[_spec_counters(self.metrics)])
-        proposer = dspark_proposer(self.llm)
-        self.drafter = proposer.step_drafter if proposer is not None else None
+        self.proposer = dspark_proposer(self.llm)
+        self.drafter = self.proposer.step_drafter if self.proposer is not None else None
+        self.remote_drafter = None  # engine.vllm_drafter 'actor': the drafter actor's host (attach_drafter)
         self.tokenizer = load_tokenizer(path, config.target.trust_remote_code)
         self.allocator = _KvView(self.llm)
         self.requests: dict = {}  # request id -> dspark.decoding.request.Request (prompt, params, per-request metrics)
@@ -335,8 +338,28 @@ class VllmEngine:
         self.timings = {"step": 0.0}
         self.num_steps = 0
         self.on_phase = None
-        self.actor_pids = {"vllm_engine": os.getpid()}
         self.dtypes = {"target": {"dtype": config.target.dtype, "backend": "vllm", "vllm": installed_version()}}
+
+    def attach_drafter(self, drafter) -> None:
+        """``engine.vllm_drafter: actor``: our proposer drafts through ``drafter`` (``actors.draft_actor.
+        DrafterActorHost``, built by ``actors.target_actor.vllm_target``)."""
+        if self.proposer is None or not self.proposer.remote:
+            raise ConfigError("engine.vllm_drafter", "no DSpark proposer waiting for a drafter actor in this "
+                                                     "process's vLLM engine")
+        self.proposer.attach(drafter)
+        self.remote_drafter = drafter
+
+    @property
+    def actor_pids(self) -> dict:
+        """Process ids for operators (GET /health): vLLM's engine and target here, the drafter actor's."""
+        pids: dict = {"vllm_engine": os.getpid()}
+        if self.remote_drafter is not None:
+            pids["drafter"] = self.remote_drafter.pid
+        return pids
+
+    def transport_stats(self) -> dict:
+        """The feature channel's counters (drafter actor mode; None without one)."""
+        return self.remote_drafter.transport_stats() if self.remote_drafter is not None else None
 
     @property
     def running(self) -> list[int]:
@@ -391,8 +414,13 @@ class VllmEngine:
         self.num_steps += 1
         self.timings["step"] += time.perf_counter() - start
         if self.drafter is not None:  # before the scheduler, and the gate's plain rounds: our proposer's counts
-            self.metrics.num_drafted_tokens = self.drafter.stats.drafted_tokens
-            self.metrics.draft_skips = self.drafter.stats.gate_skips
+            stats = self.drafter.stats
+            self.metrics.num_drafted_tokens = stats.drafted_tokens
+            self.metrics.draft_skips = stats.gate_skips
+            self.metrics.drafter_failures = stats.drafter_failures
+            self.metrics.drafter_fallbacks = stats.drafter_fallbacks
+            if self.remote_drafter is not None:
+                self.metrics.feature_bytes = self.remote_drafter.sent.bytes
         return results
 
     def abort(self, request_id: int) -> None:
@@ -407,6 +435,8 @@ class VllmEngine:
         """After a failed step the loop has aborted every request; vLLM keeps no other per-step state of ours."""
 
     def shutdown(self) -> None:
+        if self.remote_drafter is not None:
+            self.remote_drafter.shutdown()
         self.llm = None
 
 
@@ -449,7 +479,7 @@ class DSparkProposer:
     per request from the target's hidden states (``dspark.integrations.step_drafter.StepDrafter``)."""
 
     def __init__(self, vllm_config):
-        from dspark.formats.checkpoint import aux_ids_from_target_layers, load_draft
+        from dspark.formats.checkpoint import aux_ids_from_target_layers, draft_config_from_json, load_draft
         from dspark.model.target_model import DTYPES
 
         options = dict((vllm_config.additional_config or {}).get("dspark") or {})
@@ -457,23 +487,36 @@ class DSparkProposer:
             raise ValueError(f"{DSPARK_PROPOSER} needs --additional-config '{{\"dspark\": {{\"draft\": DIR}}}}'")
         self.options = options
         self.num_speculative_tokens = vllm_config.speculative_config.num_speculative_tokens
-        target = read_target_config(vllm_config.model_config.model)
-        dtype = options.get("dtype")
-        if dtype in (None, "auto"):  # as the target runs in vLLM
-            dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
-        self.model = load_draft(options["draft"], target, DTYPES[dtype])
-        self.aux_layer_ids = tuple(aux_ids_from_target_layers(self.model.config.target_layer_ids))
+        self.remote = options.get("drafter", "colocated") == "actor"  # drafts in an actor attached later
+        if self.remote:  # only which layers it reads: the weights are the actor's
+            layers = draft_config_from_json(json.loads((Path(options["draft"]) / "config.json").read_text()))
+            self.model = None
+            self.aux_layer_ids = tuple(aux_ids_from_target_layers(layers.target_layer_ids))
+        else:
+            target = read_target_config(vllm_config.model_config.model)
+            dtype = options.get("dtype")
+            if dtype in (None, "auto"):  # as the target runs in vLLM
+                dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+            self.model = load_draft(options["draft"], target, DTYPES[dtype])
+            self.aux_layer_ids = tuple(aux_ids_from_target_layers(self.model.config.target_layer_ids))
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.max_model_len = vllm_config.model_config.max_model_len
         self.step_drafter = None  # built in load_model, once the target's embedding and LM head exist
 
     def load_model(self, target_model) -> None:
-        """Share the target's embedding and LM head (vLLM's tensors, not copies)."""
+        """Share the target's embedding and LM head (vLLM's tensors, not copies); a remote drafter has its own."""
         from torch import nn
 
         from dspark.decoding.drafter import DSparkDrafter
         from dspark.integrations.step_drafter import StepDrafter
 
+        opts = self.options
+        block = int(opts.get("block_size") or self.num_speculative_tokens)
+        scheduling = {"seed": int(opts.get("seed", 0)), "scheduler": opts.get("scheduler", "full"),
+                      "draft_gate": bool(opts.get("draft_gate", False))}
+        if self.remote:
+            self.step_drafter = StepDrafter(None, block, **scheduling)  # drafts once attach() gives it the actor
+            return
         vocab = self.model.config.backbone.vocab_size  # vLLM pads its vocabulary tensors (to 64 rows): ours is not
         embed = target_model.model.embed_tokens.weight[:vocab]
         head = getattr(target_model, "lm_head", None)
@@ -481,13 +524,14 @@ class DSparkProposer:
         lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False, device=head.device, dtype=head.dtype)
         lm_head.weight = nn.Parameter(head, requires_grad=False)
         self.model.bind_target(nn.Embedding.from_pretrained(embed, freeze=True), lm_head)
-        opts = self.options
-        block = int(opts.get("block_size") or self.num_speculative_tokens)
         drafter = DSparkDrafter(self.model, int(opts.get("kv_cache_tokens", 32768)), int(opts.get("kv_block_size", 16)),
                                 int(opts.get("draft_top_k", 0)), block)
-        self.step_drafter = StepDrafter(drafter, block, seed=int(opts.get("seed", 0)),
-                                        scheduler=opts.get("scheduler", "full"),
-                                        draft_gate=bool(opts.get("draft_gate", False)))
+        self.step_drafter = StepDrafter(drafter, block, **scheduling)
+
+    def attach(self, drafter) -> None:
+        """The remote drafter (``drafter: actor``): an object with the sequence interface of ``StepDrafter``'s
+        drafter, e.g. ``actors.draft_actor.DrafterActorHost``, living in this process (the model runner's)."""
+        self.step_drafter.attach(drafter)
 
     def propose(self, *args, **kwargs):
         raise RuntimeError(f"{DSPARK_PROPOSER} drafts from hidden states: load the dspark vLLM plugin "

