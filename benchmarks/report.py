@@ -70,6 +70,7 @@ def served_config(out: Path, load_aware: bool) -> Path:
 
     path = write_variant(load_engine_config(REPO / "configs" / "embedded.yaml"),
                          out / f"served-{'load-aware' if load_aware else 'always'}.json",
+                         engine={"backend": "native"},  # this project's engine, as the in-process rows
                          serving={"load_aware_speculation": load_aware, "speculation_probe_interval_s": 30.0})
     serve_yaml = out / f"serve-{path.stem}.yaml"
     serve_yaml.write_text(SERVE_CONFIG.format(config=path))

@@ -48,8 +48,8 @@ def in_process(config, texts: list[str], max_tokens: int) -> dict:
 
 def served(config_path: Path, out: Path, prompts_file: Path, texts: list[str], max_tokens: int) -> tuple[dict, dict]:
     """The served path's figures, and the in-process engine's measured while the served application idles."""
-    variant = write_variant(load_engine_config(config_path), out / "served-path.json",
-                            serving={"load_aware_speculation": False})
+    variant = write_variant(load_engine_config(config_path), out / "served-path.json",  # the native path, as in process
+                            engine={"backend": "native"}, serving={"load_aware_speculation": False})
     serve_yaml = out / "serve-served-path.yaml"
     serve_yaml.write_text(SERVE_CONFIG.format(config=variant))
     report = out / "served-path-load.json"

@@ -89,10 +89,12 @@ def make_engine(target, tokenizer, drafter=None, profile=FLAT_PROFILE, **overrid
 def embedded_exact() -> EngineFileConfig:
     """configs/embedded.yaml in bf16: the batch-invariant mode, where speculative greedy output equals plain greedy
     output bit for bit on any CPU (its ``auto`` dtype is fp32 on CPUs without native bf16, exact only up to
-    near-ties: ``benchmarks/near_ties.py``). Tests that compare outputs across execution shapes use this."""
+    near-ties: ``benchmarks/near_ties.py``). Tests that compare outputs across execution shapes use this. On the
+    native engine (the reference; the shipped default serves on vLLM)."""
     cfg = load_engine_config(REPO / "configs" / "embedded.yaml")
-    return cfg.model_copy(update={part: getattr(cfg, part).model_copy(update={"dtype": "bfloat16"})
-                                  for part in ("target", "draft")})
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"backend": "native"}),
+                                  **{part: getattr(cfg, part).model_copy(update={"dtype": "bfloat16"})
+                                     for part in ("target", "draft")}})
 
 
 def free_port() -> int:
@@ -167,18 +169,27 @@ def get_health(route_prefix: str = "/", timeout_s: float = 30) -> dict:
                         timeout=timeout_s).json()
 
 
+def _test_defaults(sections: dict) -> dict:
+    """What the served tests change in configs/embedded.yaml unless a section says otherwise: bf16 target and draft
+    (the exact mode, see ``embedded_exact``), and the native engine (the reference: most served tests compare the
+    replies with ``build_engine``'s in-process native output; the vLLM tests, the front door and the fuzz suite
+    pick ``engine.backend: vllm``, which serves the shipped default's vLLM settings)."""
+    sections = sections | {part: {"dtype": "bfloat16", **sections.get(part, {})} for part in ("target", "draft")}
+    return sections | {"engine": {"backend": "native", **sections.get("engine", {})}}
+
+
 @contextlib.contextmanager
 def deploy_app(tmp_dir: Path, name: str = "dspark", route_prefix: str = "/",
                **sections: dict) -> Iterator[EngineFileConfig]:
     """configs/embedded.yaml with some sections updated (``serving={...}``, ...), deployed by deploy.ray_app as
     the Serve application ``name`` (needs serve_instance); yields its config once /health answers, then deletes it.
-    Target and draft run in bf16 (the exact mode, see ``embedded_exact``) unless a section says otherwise."""
+    Target and draft run in bf16 on the native engine unless a section says otherwise (``_test_defaults``)."""
     from ray import serve
 
     from deploy.ray_app import build_app
 
     prepare_target()
-    sections = sections | {part: {"dtype": "bfloat16", **sections.get(part, {})} for part in ("target", "draft")}
+    sections = _test_defaults(sections)
     path = write_variant(load_engine_config(REPO / "configs" / "embedded.yaml"), Path(tmp_dir) / f"{name}.yaml",
                          **sections)
     serve.run(build_app({"config": str(path)}), name=name, route_prefix=route_prefix)
@@ -227,7 +238,7 @@ def serve_run(tmp_dir: Path, http_port: int, grpc_port: int, host: str = "127.0.
     import yaml
 
     prepare_target()
-    sections = sections | {part: {"dtype": "bfloat16", **sections.get(part, {})} for part in ("target", "draft")}
+    sections = _test_defaults(sections)
     engine_path = write_variant(load_engine_config(REPO / "configs" / "embedded.yaml"), Path(tmp_dir) / "engine.yaml",
                                 **sections)
     serve_config = yaml.safe_load((REPO / "configs" / "serve.yaml").read_text())

@@ -170,7 +170,7 @@ def test_vllm_dspark_without_a_draft_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("engine, runtime", [
-    ({"vllm_drafter": "actor"}, {}),  # the native backend: its drafter is always an actor
+    ({"backend": "native", "vllm_drafter": "actor"}, {}),  # the native backend: its drafter is always an actor
     ({"backend": "vllm", "vllm_speculation": "ngram", "vllm_drafter": "actor"}, {}),
     ({"backend": "vllm", "vllm_speculation": "dspark_plugin", "vllm_drafter": "actor"}, {"tp_size": 2}),
 ])

@@ -38,7 +38,7 @@ def app(tmp_path_factory):
     key_file = tmp_path_factory.mktemp("secret") / "api-key"
     key_file.write_text(KEY + "\n")
     with serve_run(tmp_path_factory.mktemp("vllm-backend"), HTTP_PORT, GRPC_PORT,
-                   engine={"backend": "vllm", "max_num_seqs": 4},
+                   engine={"backend": "vllm", "vllm_speculation": "off", "max_num_seqs": 4},  # plain vLLM
                    serving={"api_key_file": str(key_file), "load_aware_speculation": False}) as run:
         yield run
 
