@@ -211,6 +211,10 @@ def test_app_builder_validates_its_arguments_and_config(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="serving.max_concurrent_requests"):
         build_app()
     monkeypatch.delenv("DSPARK_CONFIG")
-    options = deployment_options(load_engine_config(DEFAULT_CONFIG))
-    assert options["placement_group_bundles"][0] == {"CPU": 0.5} and len(options["placement_group_bundles"]) == 3
+    config = load_engine_config(DEFAULT_CONFIG)
+    options = deployment_options(config)  # the shipped default: vLLM's engine computes in the replica process
+    assert options["placement_group_bundles"] == [{"CPU": config.serving.router_cpus + config.runtime.shard_cpus}]
     assert options["placement_group_strategy"] == "STRICT_PACK"
+    native = deployment_options(config.model_copy(update={"engine": config.engine.model_copy(
+        update={"backend": "native"})}))  # the replica, then a target shard actor and the drafter actor
+    assert native["placement_group_bundles"][0] == {"CPU": 0.5} and len(native["placement_group_bundles"]) == 3
