@@ -20,6 +20,8 @@ from dspark.training.calibration import cumulative_ece, expected_calibration_err
 from dspark.training.dataset import build_prompts, decontaminate
 from dspark.training.losses import dspark_loss, position_weights
 from dspark.training.recipe import TrainFileConfig, run_recipe
+from dspark.training.trainer import in_draft_vocabulary
+from dspark.training.vocabulary import choose_vocabulary, install_vocabulary
 
 from conftest import assert_vllm_reads_as_we_do, stdlib_texts
 
@@ -45,6 +47,38 @@ def test_loss_terms_behave():
     assert poor.tv > perfect.tv and poor.total > perfect.total
     w = position_weights(7)
     assert w[0] == 1 and torch.all(w[1:] < w[:-1])
+
+
+def test_a_reduced_vocabulary_keeps_the_full_vocabulary_acceptance(tmp_path):
+    """The loss over a reduced draft vocabulary measures the same total variation as the full-vocabulary loss of the
+    same draft (zero mass outside its tokens): the target's mass outside adds to the distance as is."""
+    from dataclasses import replace
+
+    from dspark.config import DecoderConfig
+    from dspark.model.draft_model import DSparkDraft
+    from dspark.testing import tiny_draft_config
+
+    target_cfg = DecoderConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                               head_dim=16, vocab_size=50)
+    counts = torch.arange(50).flip(0) ** 2  # low ids most frequent
+    vocabulary = choose_vocabulary(counts, 20, always=(49,))
+    assert 49 in vocabulary.ids.tolist() and vocabulary.ids.tolist()[:19] == list(range(19))
+    assert vocabulary.coverage == int(counts[vocabulary.ids].sum()) / int(counts.sum())
+    draft = DSparkDraft(replace(tiny_draft_config(target_cfg), draft_vocab_size=20))
+    install_vocabulary(draft, vocabulary, torch.randn(50, 32))
+    assert (draft.to_target_ids(torch.arange(20)) == vocabulary.ids).all()
+    n, g = 6, 3
+    target_probs = torch.softmax(torch.randn(n, g, 50) * 2, -1)
+    labels = torch.randint(0, 50, (n, g))
+    valid = torch.ones(n, g, dtype=torch.bool)
+    draft_logits = torch.randn(n, g, 20)
+    inside, outside, draft_labels = in_draft_vocabulary(draft, target_probs, labels)
+    reduced = dspark_loss(draft_logits, torch.zeros(n, g), inside, draft_labels, valid, target_outside=outside)
+    full_logits = torch.full((n, g, 50), -1e9).index_copy(-1, vocabulary.ids, draft_logits)
+    full = dspark_loss(full_logits, torch.zeros(n, g), target_probs, labels, valid)
+    assert torch.allclose(reduced.tv, full.tv, atol=1e-5) and torch.allclose(reduced.acceptance, full.acceptance)
+    assert ((draft_labels >= 0) == draft.t2d[labels]).all()
+    assert (vocabulary.ids[draft_labels[draft_labels >= 0]] == labels[draft_labels >= 0]).all()
 
 
 def test_sts_fixes_an_overconfident_head():
@@ -126,3 +160,34 @@ def test_recipe_end_to_end(tmp_path):
     prompt_ids = [tuple(json.loads(line)["prompt_ids"]) for line in after]
     assert after[: len(before)] == before and len(after) > len(before)
     assert len(set(prompt_ids[len(before):]) & set(prompt_ids[: len(before)])) == 0
+
+
+def test_recipe_with_a_reduced_vocabulary(tmp_path):
+    """``draft.draft_vocab_size``: the recipe picks the draft's tokens from the training responses, trains over them
+    only, and exports a speculators-style reduced-vocabulary draft (d2t/t2d) that vLLM reads as we do and that is
+    lossless in the engine."""
+    target_dir = make_tiny_target(tmp_path / "target", stdlib_texts(20), vocab_size=400, num_layers=4)
+    cfg = TrainFileConfig(
+        target_path=str(target_dir), work_dir=str(tmp_path / "work"), output_dir=str(tmp_path / "draft"),
+        data={"num_prompts": 24, "max_tokens": 40, "batch": 24, "benchmarks_dir": str(PROMPT_SETS_DIR)},
+        draft={"num_layers": 1, "target_layer_ids": [0, 2, 3], "block_size": 4, "markov_rank": 16,
+               "mask_token_id": 3, "draft_vocab_size": 160},
+        train={"steps": 100, "seqs_per_step": 4, "anchors_per_seq": 8, "lr": 3e-3},
+    )
+    summary = run_recipe(cfg, resolve=Path, log=lambda line: None)
+    # the most frequent 40% of the tokens cover far more than 40% of the responses
+    assert summary["vocabulary"]["size"] == 160 and summary["vocabulary"]["coverage"] > 1.5 * 160 / 400
+    assert summary["calibration"]["heldout_expected_length"] > summary["init"]["heldout_expected_length"]
+    view = assert_vllm_reads_as_we_do(tmp_path / "draft" / "config.json")
+    assert view["draft_vocab_size"] == 160
+    target, tok = load_target(target_dir), load_tokenizer(target_dir)
+    trained = load_draft(tmp_path / "draft", target.config).bind_target(target.embed_tokens, target.lm_head)
+    assert trained.config.reduced_vocab and int(trained.t2d.sum()) == 160
+    assert tok.eos_token_id in trained.to_target_ids(torch.arange(160)).tolist()
+    prompts = [tok.encode(p) for p in build_prompts(6, seed=9)]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    spec = Engine(target, tok, DSparkDrafter(trained, 8192, 16, 64), EngineConfig(kv_cache_tokens=8192),
+                  trained.config.target_layer_ids).generate(prompts, greedy)
+    plain = Engine(target, tok, None, EngineConfig(speculate=False, kv_cache_tokens=8192)).generate(prompts, greedy)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert sum(r.metrics.num_accepted_tokens for r in spec) > 0

@@ -32,6 +32,12 @@ from dspark.training.trainer import (
     train,
     write_summary,
 )
+from dspark.training.vocabulary import (
+    choose_vocabulary,
+    end_of_turn_ids,
+    install_vocabulary,
+    response_token_counts,
+)
 
 
 class _Strict(BaseModel):
@@ -58,6 +64,10 @@ class DraftArchSpec(_Strict):
     markov_rank: int = Field(64, ge=1, description="Rank of the Markov head.")
     enable_markov_head: bool = Field(True, description="False trains the no-Markov (DFlash-style) ablation.")
     mask_token_id: int = Field(description="Token id used for the mask positions of the block.")
+    draft_vocab_size: int = Field(0, ge=0, description="Tokens the draft can emit (0: the target's whole "
+                                                       "vocabulary): the most frequent ones of the training "
+                                                       "responses (speculators' d2t/t2d), so its LM head, Markov "
+                                                       "output and loss run over these only.")
 
 
 class TrainSpec(_Strict):
@@ -115,6 +125,7 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
                                 target_layer_ids=tuple(arch.target_layer_ids), block_size=arch.block_size,
                                 mask_token_id=arch.mask_token_id, markov_rank=arch.markov_rank,
                                 enable_markov_head=arch.enable_markov_head,
+                                draft_vocab_size=arch.draft_vocab_size,
                                 verifier_name_or_path=str(cfg.target_path),
                                 verifier_architectures=("LlamaForCausalLM",))
         torch.manual_seed(0)
@@ -134,6 +145,15 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
         tcfg = TrainConfig(steps=cfg.train.steps, seqs_per_step=cfg.train.seqs_per_step,
                            anchors_per_seq=cfg.train.anchors_per_seq, lr=cfg.train.lr, warmup=cfg.train.warmup,
                            time_budget_s=cfg.train.time_budget_s)
+        if draft_cfg.reduced_vocab:  # chosen on the training split's responses (held-out rows stay unseen)
+            train_seqs, _ = cache.split(tcfg.heldout_fraction, tcfg.seed)
+            counts = response_token_counts(cache.tokens, [(cache.response_starts[i], cache.offsets[i + 1])
+                                                          for i in train_seqs], tc.vocab_size)
+            vocabulary = choose_vocabulary(counts, draft_cfg.output_vocab_size, end_of_turn_ids(tokenizer))
+            install_vocabulary(draft, vocabulary, target.lm_head.weight)
+            summary["vocabulary"] = vocabulary.as_dict()
+            log(f"[train] draft vocabulary: {len(vocabulary.ids)} tokens covering {vocabulary.coverage:.4f} "
+                "of the training responses")
         if "train" in stages:
             init_stats = heldout_statistics(draft, target, cache, tcfg)
             survival = (init_stats["acceptance"] * init_stats["valid"]).cumprod(1)

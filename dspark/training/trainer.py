@@ -113,7 +113,21 @@ def block_forward(draft: DSparkDraft, target: TargetModel, cache: TargetCache, s
         # the target's next-token distribution at label position j comes from the hidden state at j - 1
         target_logits = target.lm_head(cache.final_hidden[label_index - 1].to(target.lm_head.weight.dtype))
         target_probs = torch.softmax(target_logits.float(), dim=-1)
-    return logits, conf_logits, target_probs, labels, valid
+    target_probs, outside, labels = in_draft_vocabulary(draft, target_probs, labels)
+    return logits, conf_logits, target_probs, labels, valid, outside
+
+
+def in_draft_vocabulary(draft: DSparkDraft, target_probs: torch.Tensor, labels: torch.Tensor):
+    """The target's distributions [N, G, V] and labels [N, G] (target ids) in the draft's vocabulary: its tokens'
+    probabilities [N, G, V_draft], the mass outside it [N, G] (0 with the full vocabulary) and the labels as draft
+    ids (-1: a token the draft cannot emit)."""
+    if not draft.config.reduced_vocab:
+        return target_probs, target_probs.new_zeros(labels.shape), labels
+    ids = torch.arange(draft.config.output_vocab_size, device=labels.device) + draft.d2t  # [V_draft] target ids
+    inside = target_probs[..., ids]
+    draft_index = torch.cumsum(draft.t2d.long(), 0) - 1  # [V] draft id of each target id the draft can emit
+    draft_labels = torch.where(draft.t2d[labels], draft_index[labels], torch.full_like(labels, -1))
+    return inside, (1 - inside.sum(-1)).clamp_min(0), draft_labels
 
 
 def _save(draft: DSparkDraft, optimizer, step: int, path: Path, total: int) -> None:
@@ -128,9 +142,9 @@ def train(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: Trai
     """Train (resuming from ``work_dir`` if a checkpoint is there); returns a summary."""
     from tqdm import tqdm
 
-    if draft.config.reduced_vocab:  # the losses compare full-vocabulary distributions
-        raise ConfigError("draft_vocab_size", "training a reduced-vocabulary draft is not supported yet")
-
+    if draft.config.reduced_vocab and not bool(draft.t2d.any()):
+        raise ConfigError("draft_vocab_size", "a reduced-vocabulary draft needs its vocabulary chosen first "
+                                              "(dspark.training.vocabulary; the recipe does it)")
     for p in target.parameters():
         p.requires_grad_(False)
     train_seqs, _ = cache.split(cfg.heldout_fraction, cfg.seed)
@@ -168,8 +182,8 @@ def train(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: Trai
         parts = [block_forward(draft, target, cache, s, cfg.anchors_per_seq, rng)
                  for s in rng.sample(train_seqs, min(cfg.seqs_per_step, len(train_seqs)))]
         parts = [p for p in parts if p is not None]
-        logits, conf, tprobs, labels, valid = (torch.cat(x) for x in zip(*parts))
-        terms = dspark_loss(logits, conf, tprobs, labels, valid)
+        logits, conf, tprobs, labels, valid, outside = (torch.cat(x) for x in zip(*parts))
+        terms = dspark_loss(logits, conf, tprobs, labels, valid, target_outside=outside)
         terms.total.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
@@ -201,8 +215,8 @@ def heldout_statistics(draft: DSparkDraft, target: TargetModel, cache: TargetCac
         part = block_forward(draft, target, cache, seq, anchors, rng)
         if part is None:
             continue
-        logits, conf_logits, tprobs, _, ok = part
-        l1 = (torch.softmax(logits, -1) - tprobs).abs().sum(-1)
+        logits, conf_logits, tprobs, _, ok, outside = part
+        l1 = (torch.softmax(logits, -1) - tprobs).abs().sum(-1) + outside
         conf.append(conf_logits)
         accept.append((1 - 0.5 * l1).clamp(0, 1))
         valid.append(ok)

@@ -1,0 +1,143 @@
+"""Training throughput of the DSpark recipe, full vocabulary against reduced draft vocabularies, one run.
+
+The same target (the embedded default's SmolLM2-135M-Instruct), the same target cache and the same batches go
+through ``dspark.training.trainer.train`` (the recipe's own loop: forward, loss, backward, optimiser step) once per
+draft vocabulary; the figure is block positions trained per second (anchors x block size per step, over the
+steps' wall time). The cache holds the target's states over text of the Python standard library (throughput does
+not depend on what the text says; nothing trained here is kept).
+
+    python -m benchmarks.train_step [--vocab 0,16384,8192] [--steps 20] [--sequences 48] [--out train_step.json]
+        [--plot train_step.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.report import machine
+from dspark.config import DecoderConfig, DraftConfig
+from dspark.formats.target_checkpoint import load_target
+from dspark.loader import load_tokenizer
+from dspark.model.draft_model import DSparkDraft
+from dspark.training.prepare import prepare_target
+from dspark.training.target_cache import build_target_cache, load_target_cache
+from dspark.training.trainer import TrainConfig, init_from_target, train
+from dspark.training.vocabulary import choose_vocabulary, end_of_turn_ids, install_vocabulary, response_token_counts
+
+LAYERS = (2, 7, 21, 26, 28)  # the shipped head's (configs/train-smollm2.yaml)
+
+
+def text_rows(tokenizer, sequences: int, prompt_tokens: int = 32, response_tokens: int = 224) -> list[dict]:
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    rows = []
+    for path in files:
+        ids = tokenizer.encode(path.read_text(errors="ignore")[:8000])
+        if len(ids) >= prompt_tokens + response_tokens:
+            rows.append({"prompt_ids": ids[:prompt_tokens],
+                         "response_ids": ids[prompt_tokens:prompt_tokens + response_tokens]})
+        if len(rows) == sequences:
+            break
+    return rows
+
+
+def make_draft(target, vocab_size: int, cache) -> tuple[DSparkDraft, dict | None]:
+    tc = target.config
+    backbone = DecoderConfig(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_layers=2,
+                             num_heads=tc.num_heads, num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim,
+                             vocab_size=tc.vocab_size, rms_norm_eps=tc.rms_norm_eps, rope=tc.rope,
+                             attention_bias=tc.attention_bias, qk_norm=tc.qk_norm,
+                             max_position_embeddings=tc.max_position_embeddings, model_type=tc.model_type)
+    torch.manual_seed(0)
+    draft = DSparkDraft(DraftConfig(backbone=backbone, target_hidden_size=tc.hidden_size, target_layer_ids=LAYERS,
+                                    block_size=7, mask_token_id=16, markov_rank=64, draft_vocab_size=vocab_size))
+    init_from_target(draft, target)
+    draft.bind_target(target.embed_tokens, target.lm_head)
+    if not draft.config.reduced_vocab:
+        return draft, None
+    spans = [(cache.response_starts[i], cache.offsets[i + 1]) for i in range(len(cache))]
+    vocabulary = choose_vocabulary(response_token_counts(cache.tokens, spans, tc.vocab_size), vocab_size,
+                                   end_of_turn_ids(load_tokenizer(prepare_target())))
+    install_vocabulary(draft, vocabulary, target.lm_head.weight)
+    return draft, vocabulary.as_dict()
+
+
+def run(vocab_sizes: list[int], steps: int, sequences: int, work: Path) -> dict:
+    target_dir = prepare_target()
+    target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
+    cache_dir = work / "cache"
+    build_target_cache(target, text_rows(tokenizer, sequences), LAYERS, cache_dir)
+    cache = load_target_cache(cache_dir)
+    cfg = TrainConfig(steps=steps, seqs_per_step=4, anchors_per_seq=16, warmup=5, checkpoint_every=10**9,
+                      heldout_fraction=0.05)
+    rows = []
+    for size in vocab_sizes:
+        draft, vocabulary = make_draft(target, size, cache)
+        start = time.perf_counter()
+        summary = train(draft, target, cache, cfg, work / f"train-{size}", log=lambda line: None)
+        seconds = time.perf_counter() - start
+        positions = summary["steps"] * cfg.seqs_per_step * cfg.anchors_per_seq * draft.config.block_size
+        rows.append({"draft_vocab": size or target.config.vocab_size, "reduced": bool(vocabulary),
+                     "coverage": vocabulary["coverage"] if vocabulary else 1.0, "steps": summary["steps"],
+                     "seconds_per_step": seconds / summary["steps"], "positions_per_s": positions / seconds,
+                     "trainable_parameters": sum(p.numel() for p in draft.parameters() if p.requires_grad)})
+        print(f"[train_step] vocabulary {rows[-1]['draft_vocab']}: {rows[-1]['seconds_per_step']:.3f} s/step",
+              flush=True)
+    base = rows[0]["positions_per_s"]
+    for r in rows:
+        r["vs_first"] = r["positions_per_s"] / base
+    return {"machine": machine(), "steps": steps, "sequences": len(cache), "rows": rows}
+
+
+def table(report: dict) -> str:
+    lines = [f"{report['steps']} steps of 4 sequences x 16 anchors x 7 positions, {report['machine']}", "",
+             "| draft vocabulary | response coverage | s/step | positions trained/s | vs first | trainable params |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        lines.append(f"| {r['draft_vocab']} | {r['coverage']:.4f} | {r['seconds_per_step']:.3f} | "
+                     f"{r['positions_per_s']:.0f} | {r['vs_first']:.2f}x | {r['trainable_parameters'] / 1e6:.1f}M |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.barh([str(r["draft_vocab"]) for r in rows], [r["positions_per_s"] for r in rows])
+    ax.set_xlabel("block positions trained per second")
+    ax.set_ylabel("draft vocabulary")
+    ax.set_title("DSpark training throughput", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", default="0,16384,8192", help="draft vocabularies (0: the target's whole one)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--sequences", type=int, default=48)
+    parser.add_argument("--out", default="train_step.json")
+    parser.add_argument("--plot", default="train_step.png")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        report = run([int(v) for v in args.vocab.split(",")], args.steps, args.sequences, Path(tmp))
+    report["markdown"] = table(report)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, Path(args.plot))
+    print(report["markdown"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
