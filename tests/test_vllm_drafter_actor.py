@@ -149,6 +149,9 @@ def test_killing_the_drafter_mid_streams_loses_nothing_and_speculation_resumes(a
     reply, drafted, sent = wait_for(one_request, 240, "a request drafted by the replacement actor",
                                     until=lambda seen: seen[1] > drafted_after_kill)
     assert reply.choices[0].message.content == plain[0]
+    spec = reply.model_extra["spec"]  # the request's own counters: the drafts our proposer had verified for it
+    assert spec["draft_tokens"] > 0 and spec["accepted_tokens"] == sum(spec["accepted_per_position"])
+    assert spec["verify_steps"] == reply.usage.completion_tokens - spec["accepted_tokens"]
     new_pid = health(app)["actors"]["drafter"]
     assert new_pid not in (None, old_pid) and process_title(new_pid).startswith("ray::DraftWorker")
     # every committed position of that request reached the actor over the channel, one row each: its prompt and

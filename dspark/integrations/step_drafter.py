@@ -141,6 +141,8 @@ class StepDrafter:
         self._last_call: float | None = None
         self._handles: dict[str, int] = {}  # host request id -> the drafter's integer sequence id
         self._lost: set[str] = set()  # requests whose context a failed drafter took with it (decode plainly)
+        self.verified: dict[str, int] = {}  # draft tokens each request had verified in the host's last step
+        self._sent: dict[str, int] = {}  # draft tokens handed to the host for its next step
         self._next_handle = 0
 
     # ------------------------------------------------------------------------------------------------ lifecycle
@@ -181,6 +183,14 @@ class StepDrafter:
 
     # ------------------------------------------------------------------------------------------------ one step
     def propose(self, rows: StepRows) -> StepDrafts:
+        """Bookkeeping of the step the host just ran, and the drafts of its next one. Afterwards ``verified`` says
+        how many draft tokens each request had verified in the step just ran (the host's per-request counters)."""
+        self.verified = self._sent
+        drafts = self._propose(rows)
+        self._sent = {rid: len(t) for rid, t in zip(rows.request_ids, drafts.tokens) if t}
+        return drafts
+
+    def _propose(self, rows: StepRows) -> StepDrafts:
         now = time.perf_counter()
         if self._last_call is not None:
             self.stats.step_seconds += now - self._last_call

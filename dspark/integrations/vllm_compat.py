@@ -391,6 +391,10 @@ class VllmEngine:
         start = time.perf_counter()
         outputs = self.llm.step()
         results = []
+        # the drafts our proposer had verified in this step, by our request id (vLLM's engine core names a request
+        # "<our id>-<random suffix>": it makes every internal id unique)
+        verified = ({rid.rsplit("-", 1)[0]: n for rid, n in self.drafter.verified.items()}
+                    if self.drafter is not None else {})
         for out in outputs:
             rid = int(out.request_id)
             request = self.requests.get(rid)
@@ -401,7 +405,9 @@ class VllmEngine:
                 self._started.add(rid)
                 request.tokens.extend(new)
                 request.metrics.completion_tokens += len(new)
-                request.metrics.verify_steps += 1  # one target pass per token: plain decoding
+                # one target pass: the drafts our proposer had verified in it, of which len(new) - 1 were accepted
+                drafts = verified.get(out.request_id, 0)
+                request.metrics.record_round(drafts, drafts, min(max(len(new) - 1, 0), drafts))
                 self.metrics.completion_tokens += len(new)
                 self.metrics.verify_steps += 1
             reason = None
