@@ -114,6 +114,10 @@ class TransportCounters:
     def as_dict(self) -> dict[str, float]:
         return {"messages": self.messages, "bytes": self.bytes, "rows": self.rows, "seconds": self.seconds}
 
+    def __add__(self, other: TransportCounters) -> TransportCounters:
+        return TransportCounters(self.messages + other.messages, self.bytes + other.bytes, self.rows + other.rows,
+                                 self.seconds + other.seconds)
+
 
 @dataclass
 class FeatureChannel:

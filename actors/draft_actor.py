@@ -276,7 +276,7 @@ class DrafterActorHost:
         self.failures += 1
         old, self.remote, self.pid, self._store = self.remote, None, None, None
         if old is not None:
-            self._sent = _summed(self._sent, old.channel.counters)
+            self._sent = self._sent + old.channel.counters
             ray.kill(old.actor, no_restart=True)
         actor = self._new_actor()
         self._pending = (actor, actor.ping.remote())
@@ -329,32 +329,12 @@ class DrafterActorHost:
             self._replace()
             raise
 
-    # operators
-    def kill(self) -> None:
-        """Kill the actor (tests and drills: the next draft call finds it dead)."""
-        if self.remote is not None:
-            ray.kill(self.remote.actor, no_restart=True)
-
     @property
     def sent(self) -> TransportCounters:
         """This end's channel counters over every actor so far: what travelled by the collective channel."""
-        return _summed(self._sent, self.remote.channel.counters) if self.remote is not None else self._sent
-
-    def transport_stats(self) -> dict:
-        receiver = None
-        if self.available:
-            try:
-                receiver = ray.get(self.remote.actor.stats.remote(), timeout=self.config.runtime.drafter_timeout_s)
-            except ray.exceptions.RayError:
-                receiver = None
-        return {"host": self.sent.as_dict(), "drafter": receiver, "drafter_failures": self.failures,
-                "drafter_restarts": self.restarts, "object_store_feature_bytes": 0}
+        return self._sent + self.remote.channel.counters if self.remote is not None else self._sent
 
     def shutdown(self) -> None:
         for actor in [*([self.remote.actor] if self.remote else []), *([self._pending[0]] if self._pending else [])]:
             ray.kill(actor, no_restart=True)
         self.remote, self._pending = None, None
-
-
-def _summed(a: TransportCounters, b: TransportCounters) -> TransportCounters:
-    return TransportCounters(a.messages + b.messages, a.bytes + b.bytes, a.rows + b.rows, a.seconds + b.seconds)

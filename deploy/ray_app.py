@@ -91,8 +91,8 @@ def placement_bundles(config: EngineFileConfig) -> list[dict[str, float]]:
         return [head, *replica_bundles(config)]
     if vllm_workers(config):  # the shard bundles; vLLM's drafter runs inside its workers, not in a bundle of its own
         return [head, *replica_bundles(config)[:rt.tp_size]]
-    if config.engine.vllm_drafter == "actor" and config.engine.speculate:  # our drafter actor beside the engine
-        return [head, {"CPU": rt.drafter_cpus, **({"GPU": rt.drafter_gpus} if rt.drafter_gpus else {})}]
+    if config.engine.vllm_drafter == "actor":  # our drafter actor beside the engine: the native replica's bundle
+        return [head, *replica_bundles(config)[rt.tp_size:]]
     return [head]
 
 

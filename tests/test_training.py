@@ -26,6 +26,17 @@ from dspark.training.vocabulary import choose_vocabulary, install_vocabulary
 from conftest import assert_vllm_reads_as_we_do, stdlib_texts
 
 
+def speculative_equals_plain_greedy(target, tok, draft) -> list:
+    """Speculative greedy decoding with ``draft`` gives the target's plain greedy output; returns its results."""
+    prompts = [tok.encode(p) for p in build_prompts(6, seed=9)]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    spec = Engine(target, tok, DSparkDrafter(draft, 8192, 16, 64), EngineConfig(kv_cache_tokens=8192),
+                  draft.config.target_layer_ids).generate(prompts, greedy)
+    plain = Engine(target, tok, None, EngineConfig(speculate=False, kv_cache_tokens=8192)).generate(prompts, greedy)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    return spec
+
+
 def test_prompts_are_decontaminated_and_varied():
     prompts = build_prompts(300, seed=3)
     assert len(set(prompts)) > 250
@@ -142,12 +153,7 @@ def test_recipe_end_to_end(tmp_path):
         update={"init_from": str(tmp_path / "draft-deeper")}), "draft": cfg.draft})
     with pytest.raises(ConfigError, match="draft.num_layers"):
         run_recipe(shallower, resolve=Path, stages=("train",), log=logs.append)
-    prompts = [tok.encode(p) for p in build_prompts(6, seed=9)]
-    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    spec = Engine(target, tok, DSparkDrafter(trained, 8192, 16, 64), EngineConfig(kv_cache_tokens=8192),
-                  trained.config.target_layer_ids).generate(prompts, greedy)
-    plain = Engine(target, tok, None, EngineConfig(speculate=False, kv_cache_tokens=8192)).generate(prompts, greedy)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    speculative_equals_plain_greedy(target, tok, trained)
     # the data stage resumes by prompt content: an unchanged prompt list adds nothing, a longer one
     # (a different mix) adds rows for its new prompts only and keeps the rows already written
     responses = tmp_path / "work" / "responses.jsonl"
@@ -184,10 +190,4 @@ def test_recipe_with_a_reduced_vocabulary(tmp_path):
     trained = load_draft(tmp_path / "draft", target.config).bind_target(target.embed_tokens, target.lm_head)
     assert trained.config.reduced_vocab and int(trained.t2d.sum()) == 160
     assert tok.eos_token_id in trained.to_target_ids(torch.arange(160)).tolist()
-    prompts = [tok.encode(p) for p in build_prompts(6, seed=9)]
-    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    spec = Engine(target, tok, DSparkDrafter(trained, 8192, 16, 64), EngineConfig(kv_cache_tokens=8192),
-                  trained.config.target_layer_ids).generate(prompts, greedy)
-    plain = Engine(target, tok, None, EngineConfig(speculate=False, kv_cache_tokens=8192)).generate(prompts, greedy)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    assert sum(r.metrics.num_accepted_tokens for r in spec) > 0
+    assert sum(r.metrics.num_accepted_tokens for r in speculative_equals_plain_greedy(target, tok, trained)) > 0

@@ -357,10 +357,6 @@ class VllmEngine:
             pids["drafter"] = self.remote_drafter.pid
         return pids
 
-    def transport_stats(self) -> dict:
-        """The feature channel's counters (drafter actor mode; None without one)."""
-        return self.remote_drafter.transport_stats() if self.remote_drafter is not None else None
-
     @property
     def running(self) -> list[int]:
         return [rid for rid in self.requests if rid in self._started]
