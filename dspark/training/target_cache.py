@@ -6,22 +6,89 @@ the trainer applies the frozen LM head only at the positions it samples (DSpark 
 
 from __future__ import annotations
 
+import bisect
 import json
+import mmap
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from dspark.model.target_model import TargetModel
+
+
+class ShardRows:
+    """The rows of several shards' [n_i, D] tensors as one [sum n_i, D] tensor, for lookups that stay inside one
+    shard (the trainer reads one sequence at a time, and a shard holds whole sequences): ``rows[a:b]`` and
+    ``rows[index]`` (a LongTensor of absolute rows) return the shard's rows, without copying the shards into one."""
+
+    def __init__(self, parts: list[torch.Tensor]):
+        self.parts = parts
+        self.starts = [0]
+        for part in parts:
+            self.starts.append(self.starts[-1] + len(part))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self), *self.parts[0].shape[1:]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    def _shard(self, first: int, last: int) -> tuple[torch.Tensor, int]:
+        i = bisect.bisect_right(self.starts, first) - 1
+        if not 0 <= first <= last < self.starts[i + 1]:
+            raise IndexError(f"rows {first}..{last} are not inside one shard of the target cache")
+        return self.parts[i], self.starts[i]
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            if index.stop <= index.start:
+                return self.parts[0][:0]
+            part, base = self._shard(index.start, index.stop - 1)
+            return part[index.start - base: index.stop - base]
+        part, base = self._shard(int(index.min()), int(index.max()))
+        return part[index - base]
+
+
+def mapped_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as read-only views of the memory-mapped file (no copy: the page cache
+    holds what fits, so a cache larger than RAM still trains)."""
+    with path.open("rb") as f:
+        header_bytes = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_bytes))
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    base = 8 + header_bytes
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable": the views are read only
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            dtype, (begin, end) = _SAFETENSORS_DTYPES[meta["dtype"]], meta["data_offsets"]
+            count = (end - begin) // dtype.itemsize
+            flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + begin) if count else \
+                torch.empty(0, dtype=dtype)
+            out[name] = flat.view(meta["shape"])
+    return out
+
+
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
+                       "I32": torch.int32}
 
 
 @dataclass
 class TargetCache:
     tokens: torch.Tensor  # [N] int64, all sequences concatenated
-    features: torch.Tensor  # [N, K * hidden] bfloat16: hidden states after the feature layers
-    final_hidden: torch.Tensor  # [N, hidden] bfloat16: normed input of the LM head
+    features: ShardRows  # [N, K * hidden] bfloat16: hidden states after the feature layers (memory-mapped shards)
+    final_hidden: ShardRows  # [N, hidden] bfloat16: normed input of the LM head (memory-mapped shards)
     offsets: list[int]  # sequence i spans offsets[i] .. offsets[i + 1]
     response_starts: list[int]  # first response token of sequence i (absolute index)
     layer_ids: tuple[int, ...]
@@ -103,7 +170,7 @@ def load_target_cache(out_dir: Path) -> TargetCache:
     shards = sorted(out_dir.glob("shard_*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"no target cache shards in {out_dir}")
-    parts = [load_file(str(s)) for s in shards]
+    parts = [mapped_safetensors(s) for s in shards]
     lengths = torch.cat([p["lengths"] for p in parts]).tolist()
     prompt_lengths = torch.cat([p["prompt_lengths"] for p in parts]).tolist()
     offsets = [0]
@@ -112,8 +179,8 @@ def load_target_cache(out_dir: Path) -> TargetCache:
     meta = json.loads((out_dir / "progress.json").read_text())
     return TargetCache(
         tokens=torch.cat([p["tokens"] for p in parts]).long(),
-        features=torch.cat([p["features"] for p in parts]),
-        final_hidden=torch.cat([p["final_hidden"] for p in parts]),
+        features=ShardRows([p["features"] for p in parts]),
+        final_hidden=ShardRows([p["final_hidden"] for p in parts]),
         offsets=offsets,
         response_starts=[o + p for o, p in zip(offsets, prompt_lengths)],
         layer_ids=tuple(meta["layer_ids"]),

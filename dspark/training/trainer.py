@@ -39,6 +39,8 @@ class TrainConfig:
     heldout_fraction: float = 0.05
     seed: int = 0
     time_budget_s: float | None = None
+    eval_every: int = 0  # held-out tau into work_dir/curve.jsonl every this many steps (0: never), the learning curve
+    eval_sequences: int = 64  # held-out sequences each curve point reads (the first of the held-out split)
 
 
 def init_from_target(draft: DSparkDraft, target: TargetModel) -> None:
@@ -163,6 +165,9 @@ def train(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: Trai
 
     rng = random.Random(cfg.seed + step)
     started, ema = time.time(), None
+    curve = LearningCurve(work_dir / "curve.jsonl", cfg) if cfg.eval_every else None
+    if curve is not None and step == 0 and not curve.points:
+        curve.record(draft, target, cache, step, 0.0)
     bar = tqdm(total=cfg.steps, initial=step, desc="train", mininterval=5.0, dynamic_ncols=True)
     draft.train()
     first_step = step
@@ -192,6 +197,8 @@ def train(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: Trai
         ema = metrics if ema is None else {k: 0.98 * ema[k] + 0.02 * v for k, v in metrics.items()}
         bar.set_postfix(loss=f"{ema['loss']:.3f}", acc1=f"{ema['acc1']:.3f}", tau=f"{ema['tau']:.2f}")
         bar.update(1)
+        if curve is not None and (step % cfg.eval_every == 0 or step == total):
+            curve.record(draft, target, cache, step, time.time() - started)
         if step % cfg.checkpoint_every == 0 or step == total:
             _save(draft, optimizer, step, work_dir, total)
             log(f"[train] step {step} loss {ema['loss']:.4f} acc1 {ema['acc1']:.3f} tau~{ema['tau']:.3f} "
@@ -202,11 +209,40 @@ def train(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: Trai
     return {"steps": step, "train_seconds": time.time() - started, **(ema or {})}
 
 
+class LearningCurve:
+    """Held-out acceptance against training progress, one JSON line per point (``curve.jsonl`` in the run's folder;
+    a resumed run appends): step, anchors trained so far (the data positions each step starts a block at),
+    training seconds of this process, and on the first ``cfg.eval_sequences`` held-out sequences the analytic
+    expected acceptance length with full blocks (tau) and the per-position acceptances."""
+
+    def __init__(self, path: Path, cfg: TrainConfig):
+        self.path, self.cfg = path, cfg
+        self.points = [json.loads(line) for line in path.open()] if path.is_file() else []
+
+    def record(self, draft: DSparkDraft, target: TargetModel, cache: TargetCache, step: int, seconds: float) -> dict:
+        if self.points and self.points[-1]["step"] >= step:  # already measured (a resume at a checkpoint)
+            return self.points[-1]
+        stats = heldout_statistics(draft, target, cache, self.cfg, max_sequences=self.cfg.eval_sequences)
+        accept = stats["acceptance"] * stats["valid"]  # [blocks, G]
+        point = {"step": step, "anchors": step * self.cfg.seqs_per_step * self.cfg.anchors_per_seq,
+                 "seconds": seconds, "block_size": int(accept.shape[1]),
+                 "heldout_tau": float((1 + accept.cumprod(1).sum(1)).mean()),
+                 "heldout_acceptance_per_pos": accept.sum(0).div(stats["valid"].sum(0).clamp_min(1)).tolist(),
+                 "heldout_blocks": int(accept.shape[0])}
+        self.points.append(point)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as out:
+            out.write(json.dumps(point) + "\n")
+        return point
+
+
 @torch.no_grad()
 def heldout_statistics(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: TrainConfig,
-                       anchors: int = 32) -> dict[str, torch.Tensor]:
-    """Raw confidence logits and analytic per-position acceptances on the held-out sequences."""
+                       anchors: int = 32, max_sequences: int | None = None) -> dict[str, torch.Tensor]:
+    """Raw confidence logits and analytic per-position acceptances on the held-out sequences (the first
+    ``max_sequences`` of them if given)."""
     _, heldout = cache.split(cfg.heldout_fraction, cfg.seed)
+    heldout = heldout[:max_sequences]
     rng = random.Random(1234)
     saved = draft.confidence_temperatures.clone()
     draft.confidence_temperatures.fill_(1.0)
