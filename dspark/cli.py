@@ -78,7 +78,7 @@ def _train(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         raise ConfigError(args.config, format_validation_error(exc)) from None
     paths = EngineFileConfig(target={"path": "."}, base_dir=str(Path(args.config).resolve().parent))
-    run_recipe(cfg, paths.resolve, tuple(args.stages.split(",")))
+    run_recipe(cfg, paths.resolve, tuple(args.stages.split(",")), log=lambda line: print(line, flush=True))
     return 0
 
 
