@@ -47,6 +47,19 @@ def test_prompts_are_decontaminated_and_varied():
     assert planted not in kept and len(kept) >= 290
 
 
+def test_a_responses_file_cut_mid_row_keeps_its_complete_rows(tmp_path):
+    """A data stage killed mid-write leaves a last row cut short: reading the file drops it from the file (its
+    prompt is generated again on resume) and keeps every complete row."""
+    from dspark.training.dataset import read_rows
+
+    path = tmp_path / "responses.jsonl"
+    rows = [{"prompt_ids": [i, 2], "response_ids": [3, 4, i]} for i in range(3)]
+    complete = "".join(json.dumps(r) + "\n" for r in rows)
+    path.write_text(complete + '{"prompt_ids": [9, 2], "respo')
+    assert read_rows(path) == rows and path.read_text() == complete
+    assert read_rows(path) == rows  # nothing more to drop
+
+
 def test_loss_terms_behave():
     g, v = 3, 5
     target = torch.softmax(torch.randn(4, g, v), -1)

@@ -2,7 +2,9 @@
 
 Prompt sources (all on the machine, none from the benchmarks):
   * the Python standard library's own sources: functions with docstrings become "write this
-    function", "explain this code" and "document this function" requests;
+    function", "explain this code" and "document this function" requests; past the standard
+    library's functions (large prompt counts), those of installed BSD/MIT/Apache packages
+    (``LIBRARY_PACKAGES``: numpy, sympy, networkx, ...);
   * module docstrings of the standard library as topics of explanations, posts and tips;
   * synthetic arithmetic word problems built from templates and random numbers;
   * general-domain requests (writing, role-play, reasoning puzzles, STEM and humanities
@@ -156,9 +158,13 @@ def _general_prompt(rng: random.Random, cities: list[str], topics: list[str]) ->
     return _passage(rng, cities, topics)
 
 
-def _stdlib_functions(max_source_lines: int = 30) -> Iterator[tuple[str, ast.FunctionDef, str]]:
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(lib.glob("*.py")):
+# Installed packages (dependencies of this project's own install, BSD / MIT / Apache licensed) whose documented
+# functions extend the code prompts once the standard library's are used up (large prompt counts only)
+LIBRARY_PACKAGES = ("numpy", "sympy", "networkx", "jinja2", "click", "requests", "fsspec", "dateutil", "yaml")
+
+
+def _functions_in(files: list[Path], module_of, max_source_lines: int) -> Iterator[tuple[str, ast.FunctionDef, str]]:
+    for path in files:
         try:
             text = path.read_text(errors="ignore")
             tree = ast.parse(text)
@@ -169,7 +175,31 @@ def _stdlib_functions(max_source_lines: int = 30) -> Iterator[tuple[str, ast.Fun
             if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) and not node.name.startswith("_"):
                 end = node.end_lineno or node.lineno
                 if end - node.lineno + 1 <= max_source_lines:
-                    yield path.stem, node, "\n".join(lines[node.lineno - 1: end])
+                    yield module_of(path), node, "\n".join(lines[node.lineno - 1: end])
+
+
+def _stdlib_functions(max_source_lines: int = 30) -> Iterator[tuple[str, ast.FunctionDef, str]]:
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    yield from _functions_in(sorted(lib.glob("*.py")), lambda path: path.stem, max_source_lines)
+
+
+def _library_functions(max_source_lines: int = 30) -> Iterator[tuple[str, ast.FunctionDef, str]]:
+    """Documented public functions of ``LIBRARY_PACKAGES`` (those installed), test modules left out."""
+    import importlib.util
+
+    for package in LIBRARY_PACKAGES:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(next(iter(spec.submodule_search_locations)))
+        files = sorted(p for p in root.rglob("*.py") if not {"tests", "testing", "test"} & set(p.parts)
+                       and not p.name.startswith("test_"))
+
+        def module_of(path: Path, root: Path = root, package: str = package) -> str:
+            parts = path.relative_to(root).with_suffix("").parts
+            return ".".join((package, *(p for p in parts if p != "__init__")))
+
+        yield from _functions_in(files, module_of, max_source_lines)
 
 
 def _module_topics() -> list[str]:
@@ -207,7 +237,8 @@ def _math_problem(rng: random.Random) -> str:
 
 def build_prompts(count: int, seed: int = 0) -> list[str]:
     """A shuffled mix: 25% code tasks, 10% Python topic explanations, 15% arithmetic word problems and
-    50% general-domain requests.
+    50% general-domain requests. No prompt appears twice (at large counts the topics and general
+    requests run out of combinations; arithmetic problems fill the count).
 
     Until 2026-11-30 the mix was 45% code, 25% topics, 30% arithmetic and no general requests; the
     responses cached then keep their rows (``generate_responses`` resumes by prompt content).
@@ -215,6 +246,10 @@ def build_prompts(count: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     functions = list(_stdlib_functions())
     rng.shuffle(functions)
+    if len(functions) < int(count * 0.25):  # past the standard library: installed packages' functions
+        more = list(_library_functions())
+        rng.shuffle(more)
+        functions += more
     topics, cities = _module_topics(), _cities()
     prompts = []
     for i, (module, node, source) in enumerate(functions[: int(count * 0.25)]):
@@ -231,8 +266,13 @@ def build_prompts(count: int, seed: int = 0) -> list[str]:
             break
         general[_general_prompt(rng, cities, topics)] = None
     prompts += list(general)
+    prompts = list(dict.fromkeys(prompts))  # no prompt twice (topics repeat at large counts)
+    distinct = set(prompts)
     while len(prompts) < count:
-        prompts.append(_math_problem(rng))
+        problem = _math_problem(rng)
+        if problem not in distinct:
+            distinct.add(problem)
+            prompts.append(problem)
     rng.shuffle(prompts)
     return prompts
 
@@ -252,6 +292,17 @@ def decontaminate(prompts: list[str], benchmark_dir: Path) -> list[str]:
     return [p for p in prompts if not (_ngrams(p) & banned)]
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a responses file. A run killed mid-write can leave a last line cut short: it is dropped from
+    the file (its prompt is generated again), every complete row is kept."""
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1  # bytes up to the last complete line
+    if end < len(data):
+        with path.open("r+b") as f:
+            f.truncate(end)
+    return [json.loads(line) for line in data[:end].decode().splitlines() if line.strip()]
+
+
 def generate_responses(engine, tokenizer, prompts: list[str], out_path: Path, max_tokens: int = 256,
                        seed: int = 0, time_budget_s: float | None = None, log=print) -> int:
     """Regenerate responses with the target; append JSONL rows in prompt order; resume where a run stopped.
@@ -267,7 +318,7 @@ def generate_responses(engine, tokenizer, prompts: list[str], out_path: Path, ma
     from dspark.config import SamplingParams
     from dspark.loader import encode_prompt
 
-    done = ({tuple(json.loads(line)["prompt_ids"]) for line in out_path.open()} if out_path.exists() else set())
+    done = {tuple(row["prompt_ids"]) for row in read_rows(out_path)} if out_path.exists() else set()
     start, tokens = time.time(), 0
     prompt_ids: dict[int, list[int]] = {}  # prompt index (= request id) -> its ids, for the prompts still to write
     replies: dict[int, list[int]] = {}  # request id -> the tokens streamed so far

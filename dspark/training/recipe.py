@@ -21,7 +21,7 @@ from dspark.formats.checkpoint import load_draft, save_draft
 from dspark.formats.target_checkpoint import load_target
 from dspark.loader import load_tokenizer
 from dspark.model.draft_model import DSparkDraft
-from dspark.training.dataset import build_prompts, decontaminate, generate_responses
+from dspark.training.dataset import build_prompts, decontaminate, generate_responses, read_rows
 from dspark.training.target_cache import build_target_cache, load_target_cache
 from dspark.training.trainer import (
     TrainConfig,
@@ -144,7 +144,7 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
     cache_dir = work / (f"target_cache_{'_'.join(map(str, arch.target_layer_ids))}"
                         + ("" if cfg.data.cache_dtype == "float32" else f"_{cfg.data.cache_dtype}"))
     if "cache" in stages:
-        rows = [json.loads(line) for line in responses.open()]
+        rows = read_rows(responses)
         log(f"[cache] {len(rows)} sequences, {sum(len(r['response_ids']) for r in rows)} response tokens, "
             f"target in {cfg.data.cache_dtype}")
         runner = target if cfg.data.cache_dtype == "float32" else load_target(target_dir, cfg.data.cache_dtype)
