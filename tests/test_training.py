@@ -275,3 +275,22 @@ def test_the_data_stage_on_vllm_writes_the_native_engines_greedy_rows(tmp_path):
     greedy = range(0, len(native), 2)  # even prompts decode greedily, odd ones at T=1 / top-p 0.95
     assert [vllm[i]["response_ids"] for i in greedy] == [native[i]["response_ids"] for i in greedy]
     assert all(0 < len(r["response_ids"]) <= 24 for r in vllm)
+
+
+def test_the_learning_curve_fit_recovers_a_power_law(tmp_path):
+    """``benchmarks.learning_curve``: on points of tau - 1 = 0.05 * anchors^0.3 (the early points off the law, as a
+    warm start is), the fit over the later half recovers the law, the budget for tau 3.45 follows from it, and the
+    plot is written."""
+    from benchmarks.learning_curve import anchors_for, plot, power_law, summarise
+
+    points = [{"step": s, "anchors": 64 * s, "seconds": 0.5 * s, "block_size": 7,
+               "heldout_tau": 1 + 0.05 * (64 * s) ** 0.3 + (0.3 if s < 400 else 0.0),
+               "heldout_acceptance_per_pos": [0.3] * 7} for s in (0, 100, 200, 400, 800, 1600, 3200)]
+    fit = power_law(points)
+    assert fit["a"] == pytest.approx(0.05, rel=1e-6) and fit["b"] == pytest.approx(0.3, rel=1e-6)
+    need = anchors_for(fit, 3.45)
+    assert 1 + 0.05 * need ** 0.3 == pytest.approx(3.45)
+    summary = summarise({"dspark": points}, 3.45)
+    assert summary["dspark"]["hours_for_goal_here"] == pytest.approx(need * 0.5 / 64 / 3600)
+    plot({"dspark": points}, summary, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
