@@ -224,18 +224,22 @@ def test_the_target_cache_is_memory_mapped_shard_by_shard(tmp_path, tiny_target)
 
 
 def test_recipe_with_a_reduced_vocabulary(tmp_path):
-    """``draft.draft_vocab_size``: the recipe picks the draft's tokens from the training responses, trains over them
-    only, and exports a speculators-style reduced-vocabulary draft (d2t/t2d) that vLLM reads as we do and that is
-    lossless in the engine."""
+    """``draft.draft_vocab_size`` (and the cache stage's target in bf16, ``data.cache_dtype``): the recipe picks the
+    draft's tokens from the training responses, trains over them only, and exports a speculators-style
+    reduced-vocabulary draft (d2t/t2d) that vLLM reads as we do and that is lossless in the engine."""
     target_dir = make_tiny_target(tmp_path / "target", stdlib_texts(20), vocab_size=400, num_layers=4)
     cfg = TrainFileConfig(
         target_path=str(target_dir), work_dir=str(tmp_path / "work"), output_dir=str(tmp_path / "draft"),
-        data={"num_prompts": 24, "max_tokens": 40, "batch": 24, "benchmarks_dir": str(PROMPT_SETS_DIR)},
+        data={"num_prompts": 24, "max_tokens": 40, "batch": 24, "benchmarks_dir": str(PROMPT_SETS_DIR),
+              "cache_dtype": "bfloat16"},  # the cache from the target run in bf16, as served
         draft={"num_layers": 1, "target_layer_ids": [0, 2, 3], "block_size": 4, "markov_rank": 16,
                "mask_token_id": 3, "draft_vocab_size": 160},
         train={"steps": 100, "seqs_per_step": 4, "anchors_per_seq": 8, "lr": 3e-3},
     )
-    summary = run_recipe(cfg, resolve=Path, log=lambda line: None)
+    logs = []
+    summary = run_recipe(cfg, resolve=Path, log=logs.append)
+    assert any("target in bfloat16" in line for line in logs)
+    assert (tmp_path / "work" / "target_cache_0_2_3_bfloat16" / "progress.json").is_file()
     # the most frequent 40% of the tokens cover far more than 40% of the responses
     assert summary["vocabulary"]["size"] == 160 and summary["vocabulary"]["coverage"] > 1.5 * 160 / 400
     assert summary["calibration"]["heldout_expected_length"] > summary["init"]["heldout_expected_length"]
