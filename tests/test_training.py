@@ -223,6 +223,33 @@ def test_the_target_cache_is_memory_mapped_shard_by_shard(tmp_path, tiny_target)
         cache.features[cache.offsets[0]: cache.offsets[-1]]
 
 
+def test_the_cached_logsumexp_gives_the_full_softmax_over_the_draft_vocabulary(tmp_path, tiny_target):
+    """The cache keeps the target's log-sum-exp per position, so a reduced-vocabulary trainer runs the target's LM
+    head over the draft's tokens only: the probabilities, the mass outside and the labels equal the full softmax's."""
+    from dataclasses import replace
+
+    from dspark.model.draft_model import DSparkDraft
+    from dspark.testing import tiny_draft_config
+    from dspark.training.target_cache import build_target_cache, load_target_cache
+    from dspark.training.trainer import target_distributions
+
+    vocab = tiny_target.config.vocab_size
+    rows = [{"prompt_ids": [5, 6, 7], "response_ids": list(range(20, 40)) + list(range(vocab - 20, vocab))}]
+    build_target_cache(tiny_target, rows, (0, 1), tmp_path)
+    cache = load_target_cache(tmp_path)
+    assert cache.logsumexp is not None and len(cache.logsumexp) == len(cache.tokens)
+    draft = DSparkDraft(replace(tiny_draft_config(tiny_target.config), draft_vocab_size=vocab // 3))
+    vocabulary = choose_vocabulary(torch.arange(vocab).flip(0), vocab // 3, ())
+    install_vocabulary(draft, vocabulary, tiny_target.lm_head.weight)
+    label_index = torch.arange(4, 40).view(6, 6)  # [N, G] positions of the sequence
+    labels = cache.tokens[label_index]
+    fast = target_distributions(draft, tiny_target, cache, label_index, labels)
+    full = target_distributions(draft, tiny_target, replace(cache, logsumexp=None), label_index, labels)
+    assert fast[1].max() > 0.01  # the target puts mass outside the draft's tokens: the identity is not trivial
+    assert torch.allclose(fast[0], full[0], atol=1e-6) and torch.allclose(fast[1], full[1], atol=1e-5)
+    assert torch.equal(fast[2], full[2]) and (fast[2] == -1).any()
+
+
 def test_recipe_with_a_reduced_vocabulary(tmp_path):
     """``draft.draft_vocab_size`` (and the cache stage's target in bf16, ``data.cache_dtype``): the recipe picks the
     draft's tokens from the training responses, trains over them only, and exports a speculators-style

@@ -92,6 +92,9 @@ class TargetCache:
     offsets: list[int]  # sequence i spans offsets[i] .. offsets[i + 1]
     response_starts: list[int]  # first response token of sequence i (absolute index)
     layer_ids: tuple[int, ...]
+    # [N] float32: log-sum-exp of the target's logits from final_hidden as stored (None: a cache built before it was
+    # kept), so a reduced-vocabulary trainer computes the target's probabilities of its tokens alone
+    logsumexp: ShardRows | None = None
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -114,7 +117,8 @@ def build_target_cache(target: TargetModel, rows: list[dict], layer_ids: tuple[i
     out_dir.mkdir(parents=True, exist_ok=True)
     last = target.config.num_layers - 1
     wanted = tuple(sorted(set(layer_ids) | {last}))
-    shard: dict[str, list] = {"tokens": [], "features": [], "final": [], "lengths": [], "prompt_lengths": []}
+    shard: dict[str, list] = {"tokens": [], "features": [], "final": [], "logsumexp": [], "lengths": [],
+                              "prompt_lengths": []}
     shard_index, tokens_in_shard = len(list(out_dir.glob("shard_*.safetensors"))), 0
     done_rows = _rows_done(out_dir)
     cache = target.make_cache(4096, 16)
@@ -124,7 +128,8 @@ def build_target_cache(target: TargetModel, rows: list[dict], layer_ids: tuple[i
         if not shard["lengths"]:
             return
         save_file({"tokens": torch.cat(shard["tokens"]), "features": torch.cat(shard["features"]),
-                   "final_hidden": torch.cat(shard["final"]), "lengths": torch.tensor(shard["lengths"]),
+                   "final_hidden": torch.cat(shard["final"]), "logsumexp": torch.cat(shard["logsumexp"]),
+                   "lengths": torch.tensor(shard["lengths"]),
                    "prompt_lengths": torch.tensor(shard["prompt_lengths"])},
                   str(out_dir / f"shard_{shard_index:04d}.safetensors"))
         shard_index += 1
@@ -144,7 +149,9 @@ def build_target_cache(target: TargetModel, rows: list[dict], layer_ids: tuple[i
         feats = torch.cat([per_layer[wanted.index(i)] for i in layer_ids], dim=-1)
         shard["tokens"].append(ids)
         shard["features"].append(feats.to(torch.bfloat16))
-        shard["final"].append(target.norm(per_layer[wanted.index(last)]).to(torch.bfloat16))
+        final = target.norm(per_layer[wanted.index(last)]).to(torch.bfloat16)
+        shard["final"].append(final)
+        shard["logsumexp"].append(target_logsumexp(target, final))
         shard["lengths"].append(len(ids))
         shard["prompt_lengths"].append(min(len(row["prompt_ids"]), len(ids)))
         tokens_in_shard += len(ids)
@@ -155,6 +162,14 @@ def build_target_cache(target: TargetModel, rows: list[dict], layer_ids: tuple[i
             print(f"[cache] {i + 1}/{len(rows)} sequences", flush=True)
     flush()
     _write_progress(out_dir, len(rows), layer_ids)
+
+
+def target_logsumexp(target: TargetModel, final_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """[n] float32 log-sum-exp of the target's logits from ``final_hidden`` [n, hidden] as the cache stores it
+    (bf16), through the LM head as the trainer applies it (in the LM head's dtype), chunk by chunk."""
+    out = [torch.logsumexp(target.lm_head(final_hidden[i: i + chunk].to(target.lm_head.weight.dtype)).float(), -1)
+           for i in range(0, len(final_hidden), chunk)]
+    return torch.cat(out) if out else torch.zeros(0)
 
 
 def _rows_done(out_dir: Path) -> int:
@@ -181,6 +196,7 @@ def load_target_cache(out_dir: Path) -> TargetCache:
         tokens=torch.cat([p["tokens"] for p in parts]).long(),
         features=ShardRows([p["features"] for p in parts]),
         final_hidden=ShardRows([p["final_hidden"] for p in parts]),
+        logsumexp=ShardRows([p["logsumexp"] for p in parts]) if all("logsumexp" in p for p in parts) else None,
         offsets=offsets,
         response_starts=[o + p for o, p in zip(offsets, prompt_lengths)],
         layer_ids=tuple(meta["layer_ids"]),

@@ -112,11 +112,37 @@ def block_forward(draft: DSparkDraft, target: TargetModel, cache: TargetCache, s
     logits, conf_logits, _ = draft.position_logits(base, hidden, prev, slice(None))
     labels = cache.tokens[label_index]
     with torch.no_grad():
-        # the target's next-token distribution at label position j comes from the hidden state at j - 1
-        target_logits = target.lm_head(cache.final_hidden[label_index - 1].to(target.lm_head.weight.dtype))
-        target_probs = torch.softmax(target_logits.float(), dim=-1)
-    target_probs, outside, labels = in_draft_vocabulary(draft, target_probs, labels)
+        target_probs, outside, labels = target_distributions(draft, target, cache, label_index, labels)
     return logits, conf_logits, target_probs, labels, valid, outside
+
+
+def target_distributions(draft: DSparkDraft, target: TargetModel, cache: TargetCache, label_index: torch.Tensor,
+                         labels: torch.Tensor):
+    """The target's next-token distributions at ``label_index`` [N, G] (from the hidden state one position before)
+    in the draft's vocabulary, as :func:`in_draft_vocabulary` returns them. A reduced-vocabulary draft on a cache
+    with the target's log-sum-exp runs the target's LM head over its own tokens only (exp(logit - logsumexp): the
+    same probabilities as the full softmax, for the cost of V_draft rows instead of V)."""
+    rows = label_index - 1
+    weight = target.lm_head.weight
+    hidden = cache.final_hidden[rows].to(weight.dtype)  # [N, G, H]
+    if draft.config.reduced_vocab and cache.logsumexp is not None:
+        ids = draft_target_ids(draft)
+        bias = None if target.lm_head.bias is None else target.lm_head.bias[ids]
+        logits = torch.nn.functional.linear(hidden, weight[ids], bias)  # [N, G, V_draft]
+        inside = torch.exp(logits.float() - cache.logsumexp[rows][..., None])
+        return inside, (1 - inside.sum(-1)).clamp_min(0), draft_labels(draft, labels)
+    return in_draft_vocabulary(draft, torch.softmax(target.lm_head(hidden).float(), dim=-1), labels)
+
+
+def draft_target_ids(draft: DSparkDraft) -> torch.Tensor:
+    """[V_draft] the target id of each token a reduced-vocabulary draft can emit (speculators' d2t)."""
+    return torch.arange(draft.config.output_vocab_size, device=draft.d2t.device) + draft.d2t
+
+
+def draft_labels(draft: DSparkDraft, labels: torch.Tensor) -> torch.Tensor:
+    """Labels [N, G] (target ids) as the draft's ids; -1 for a token the draft cannot emit."""
+    draft_index = torch.cumsum(draft.t2d.long(), 0) - 1  # [V] draft id of each target id the draft can emit
+    return torch.where(draft.t2d[labels], draft_index[labels], torch.full_like(labels, -1))
 
 
 def in_draft_vocabulary(draft: DSparkDraft, target_probs: torch.Tensor, labels: torch.Tensor):
@@ -125,11 +151,8 @@ def in_draft_vocabulary(draft: DSparkDraft, target_probs: torch.Tensor, labels: 
     ids (-1: a token the draft cannot emit)."""
     if not draft.config.reduced_vocab:
         return target_probs, target_probs.new_zeros(labels.shape), labels
-    ids = torch.arange(draft.config.output_vocab_size, device=labels.device) + draft.d2t  # [V_draft] target ids
-    inside = target_probs[..., ids]
-    draft_index = torch.cumsum(draft.t2d.long(), 0) - 1  # [V] draft id of each target id the draft can emit
-    draft_labels = torch.where(draft.t2d[labels], draft_index[labels], torch.full_like(labels, -1))
-    return inside, (1 - inside.sum(-1)).clamp_min(0), draft_labels
+    inside = target_probs[..., draft_target_ids(draft)]
+    return inside, (1 - inside.sum(-1)).clamp_min(0), draft_labels(draft, labels)
 
 
 def _save(draft: DSparkDraft, optimizer, step: int, path: Path, total: int) -> None:
