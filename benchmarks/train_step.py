@@ -3,7 +3,8 @@
 The same target (the embedded default's SmolLM2-135M-Instruct), the same target cache and the same batches go
 through ``dspark.training.trainer.train`` (the recipe's own loop: forward, loss, backward, optimiser step) once per
 draft vocabulary, a reduced one twice: the target's LM head and softmax over the whole vocabulary, then over the
-draft's tokens only (with the log-sum-exp the cache keeps per position). The figure is block positions trained per
+draft's tokens only (with the log-sum-exp the cache keeps per position), and the last one a third time with the draft's
+forward under bf16 autocast. The figure is block positions trained per
 second (anchors x block size per step, over the steps' wall time). The cache holds the target's states over text of
 the Python standard library (throughput does not depend on what the text says; nothing trained here is kept).
 
@@ -81,20 +82,26 @@ def run(vocab_sizes: list[int], steps: int, sequences: int, work: Path) -> dict:
     rows = []
     # a reduced vocabulary runs twice: the target's LM head over the whole vocabulary (its softmax), then over the
     # draft's tokens alone with the cache's log-sum-exp (the recipe's default where the cache has it)
-    for size, target_head in [(v, head) for v in vocab_sizes for head in (("full",) if not v else ("full", "draft"))]:
+    # and the last reduced one a third time with the draft's forward under bf16 autocast (train.autocast_bf16)
+    variants = [(v, head, False) for v in vocab_sizes for head in (("full",) if not v else ("full", "draft"))]
+    if vocab_sizes[-1]:
+        variants.append((vocab_sizes[-1], "draft", True))
+    for size, target_head, autocast in variants:
         draft, vocabulary = make_draft(target, size, cache)
         start = time.perf_counter()
-        summary = train(draft, target, cache if target_head == "draft" else replace(cache, logsumexp=None), cfg,
-                        work / f"train-{size}-{target_head}", log=lambda line: None)
+        summary = train(draft, target, cache if target_head == "draft" else replace(cache, logsumexp=None),
+                        replace(cfg, autocast_bf16=autocast), work / f"train-{size}-{target_head}-{autocast}",
+                        log=lambda line: None)
         seconds = time.perf_counter() - start
         positions = summary["steps"] * cfg.seqs_per_step * cfg.anchors_per_seq * draft.config.block_size
         rows.append({"draft_vocab": size or target.config.vocab_size, "reduced": bool(vocabulary),
                      "target_head": target.config.vocab_size if target_head == "full" else size,
+                     "autocast_bf16": autocast, "final_loss": summary.get("loss"),
                      "coverage": vocabulary["coverage"] if vocabulary else 1.0, "steps": summary["steps"],
                      "seconds_per_step": seconds / summary["steps"], "positions_per_s": positions / seconds,
                      "trainable_parameters": sum(p.numel() for p in draft.parameters() if p.requires_grad)})
-        print(f"[train_step] vocabulary {rows[-1]['draft_vocab']}, target head over {rows[-1]['target_head']}: "
-              f"{rows[-1]['seconds_per_step']:.3f} s/step", flush=True)
+        print(f"[train_step] vocabulary {rows[-1]['draft_vocab']}, target head over {rows[-1]['target_head']}"
+              f"{', bf16 autocast' if autocast else ''}: {rows[-1]['seconds_per_step']:.3f} s/step", flush=True)
     base = rows[0]["positions_per_s"]
     for r in rows:
         r["vs_first"] = r["positions_per_s"] / base
@@ -103,11 +110,12 @@ def run(vocab_sizes: list[int], steps: int, sequences: int, work: Path) -> dict:
 
 def table(report: dict) -> str:
     lines = [f"{report['steps']} steps of 4 sequences x 16 anchors x 7 positions, {report['machine']}", "",
-             "| draft vocabulary | target LM head over | response coverage | s/step | positions trained/s | vs first "
-             "| trainable params |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "| draft vocabulary | target LM head over | draft forward | response coverage | s/step | positions "
+             "trained/s | vs first | trainable params |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
-        lines.append(f"| {r['draft_vocab']} | {r['target_head']} | {r['coverage']:.4f} | {r['seconds_per_step']:.3f} | "
+        lines.append(f"| {r['draft_vocab']} | {r['target_head']} | {'bf16 autocast' if r['autocast_bf16'] else 'fp32'} "
+                     f"| {r['coverage']:.4f} | {r['seconds_per_step']:.3f} | "
                      f"{r['positions_per_s']:.0f} | {r['vs_first']:.2f}x | {r['trainable_parameters'] / 1e6:.1f}M |")
     return "\n".join(lines)
 
@@ -120,7 +128,8 @@ def plot(report: dict, path: Path) -> None:
 
     rows = report["rows"]
     fig, ax = plt.subplots(figsize=(6, 3))
-    ax.barh([f"{r['draft_vocab']} / {r['target_head']}" for r in rows], [r["positions_per_s"] for r in rows])
+    ax.barh([f"{r['draft_vocab']} / {r['target_head']}{' / bf16' if r['autocast_bf16'] else ''}" for r in rows],
+            [r["positions_per_s"] for r in rows])
     ax.set_xlabel("block positions trained per second")
     ax.set_ylabel("draft vocabulary / target head")
     ax.set_title("DSpark training throughput", fontsize=10)

@@ -91,6 +91,9 @@ class TrainSpec(_Strict):
                                  description="Folder of this run's training state and learning curve under "
                                              "work_dir (default: 'train', 'train_no_markov' for the ablation), so "
                                              "runs on the same data (a control, another vocabulary) keep apart.")
+    autocast_bf16: bool = Field(False, description="Run the draft's forward pass under bf16 autocast (fast on CPUs "
+                                                   "with native bf16 and on GPUs; the target's distributions and the "
+                                                   "loss stay fp32).")
     eval_every: int = Field(0, ge=0, description="Every this many steps, the held-out expected acceptance length "
                                                  "and per-position acceptances go to curve.jsonl in the run's "
                                                  "folder (the learning curve; 0: never).")
@@ -182,7 +185,7 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
         tcfg = TrainConfig(steps=cfg.train.steps, seqs_per_step=cfg.train.seqs_per_step,
                            anchors_per_seq=cfg.train.anchors_per_seq, lr=cfg.train.lr, warmup=cfg.train.warmup,
                            time_budget_s=cfg.train.time_budget_s, eval_every=cfg.train.eval_every,
-                           eval_sequences=cfg.train.eval_sequences)
+                           eval_sequences=cfg.train.eval_sequences, autocast_bf16=cfg.train.autocast_bf16)
         if draft_cfg.reduced_vocab:  # chosen on the training split's responses (held-out rows stay unseen)
             train_seqs, _ = cache.split(tcfg.heldout_fraction, tcfg.seed)
             counts = response_token_counts(cache.tokens, [(cache.response_starts[i], cache.offsets[i + 1])

@@ -41,6 +41,7 @@ class TrainConfig:
     time_budget_s: float | None = None
     eval_every: int = 0  # held-out tau into work_dir/curve.jsonl every this many steps (0: never), the learning curve
     eval_sequences: int = 64  # held-out sequences each curve point reads (the first of the held-out split)
+    autocast_bf16: bool = False  # the draft's forward under bf16 autocast (the target's distributions stay fp32)
 
 
 def init_from_target(draft: DSparkDraft, target: TargetModel) -> None:
@@ -111,7 +112,7 @@ def block_forward(draft: DSparkDraft, target: TargetModel, cache: TargetCache, s
     prev = torch.cat((cache.tokens[anchor][:, None], cache.tokens[label_index[:, :-1]]), dim=1)
     logits, conf_logits, _ = draft.position_logits(base, hidden, prev, slice(None))
     labels = cache.tokens[label_index]
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(context.device.type, enabled=False):  # the target's distributions in fp32
         target_probs, outside, labels = target_distributions(draft, target, cache, label_index, labels)
     return logits, conf_logits, target_probs, labels, valid, outside
 
@@ -187,6 +188,7 @@ def train(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: Trai
         return min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(s / total, 1)))
 
     rng = random.Random(cfg.seed + step)
+    device_type = next(draft.parameters()).device.type
     started, ema = time.time(), None
     curve = LearningCurve(work_dir / "curve.jsonl", cfg) if cfg.eval_every else None
     if curve is not None and step == 0 and not curve.points:
@@ -207,11 +209,12 @@ def train(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: Trai
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr * schedule(step)
         optimizer.zero_grad(set_to_none=True)
-        parts = [block_forward(draft, target, cache, s, cfg.anchors_per_seq, rng)
-                 for s in rng.sample(train_seqs, min(cfg.seqs_per_step, len(train_seqs)))]
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+            parts = [block_forward(draft, target, cache, s, cfg.anchors_per_seq, rng)
+                     for s in rng.sample(train_seqs, min(cfg.seqs_per_step, len(train_seqs)))]
         parts = [p for p in parts if p is not None]
         logits, conf, tprobs, labels, valid, outside = (torch.cat(x) for x in zip(*parts))
-        terms = dspark_loss(logits, conf, tprobs, labels, valid, target_outside=outside)
+        terms = dspark_loss(logits.float(), conf.float(), tprobs, labels, valid, target_outside=outside)
         terms.total.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
