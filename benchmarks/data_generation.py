@@ -36,8 +36,7 @@ def measure(engine_name: str, prompts: list[str], batch: int, max_tokens: int, d
     started = time.perf_counter()
     tokens = generate_responses(engine, tokenizer, prompts, rows, max_tokens, log=lambda line: print(line, flush=True))
     seconds = time.perf_counter() - started
-    if hasattr(engine, "shutdown"):
-        engine.shutdown()
+    engine.shutdown()
     written = [json.loads(line) for line in rows.open()]
     assert len(written) == len(prompts) and sum(len(r["response_ids"]) for r in written) == tokens
     return {"engine": engine_name, "startup_s": startup, "seconds": seconds, "response_tokens": tokens,

@@ -158,6 +158,9 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def shutdown(self) -> None:
+        """As ``VllmEngine.shutdown``; this engine owns no processes or threads, so there is nothing to release."""
+
     def reset_transient_state(self) -> None:
         """After a failed step, once its requests are aborted: drop drafts asked for ahead of the next round."""
         self._drafts.clear()

@@ -27,6 +27,7 @@ from dspark.training.trainer import (
     TrainConfig,
     calibrate,
     heldout_statistics,
+    heldout_summary,
     init_from_draft,
     init_from_target,
     train,
@@ -140,8 +141,7 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
             generate_responses(engine, tokenizer, prompts, responses, cfg.data.max_tokens,
                                time_budget_s=cfg.data.time_budget_s, log=log)
         finally:
-            if hasattr(engine, "shutdown"):
-                engine.shutdown()
+            engine.shutdown()
             del engine
     arch = cfg.draft
     cache_dir = work / (f"target_cache_{'_'.join(map(str, arch.target_layer_ids))}"
@@ -197,8 +197,7 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
                 "of the training responses")
         if "train" in stages:
             init_stats = heldout_statistics(draft, target, cache, tcfg)
-            survival = (init_stats["acceptance"] * init_stats["valid"]).cumprod(1)
-            summary["init"] = {"heldout_expected_length": float((1 + survival.sum(1)).mean())}
+            summary["init"] = {"heldout_expected_length": heldout_summary(init_stats)["heldout_expected_length"]}
         summary["train"] = train(draft, target, cache, tcfg, work / run, log=log)
         summary["data"] = {"sequences": len(cache), "tokens": len(cache.tokens),
                            "response_tokens": sum(o2 - r for r, o2 in zip(cache.response_starts, cache.offsets[1:]))}

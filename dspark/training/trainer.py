@@ -137,7 +137,7 @@ def target_distributions(draft: DSparkDraft, target: TargetModel, cache: TargetC
 
 def draft_target_ids(draft: DSparkDraft) -> torch.Tensor:
     """[V_draft] the target id of each token a reduced-vocabulary draft can emit (speculators' d2t)."""
-    return torch.arange(draft.config.output_vocab_size, device=draft.d2t.device) + draft.d2t
+    return draft.to_target_ids(torch.arange(draft.config.output_vocab_size, device=draft.d2t.device))
 
 
 def draft_labels(draft: DSparkDraft, labels: torch.Tensor) -> torch.Tensor:
@@ -248,13 +248,13 @@ class LearningCurve:
     def record(self, draft: DSparkDraft, target: TargetModel, cache: TargetCache, step: int, seconds: float) -> dict:
         if self.points and self.points[-1]["step"] >= step:  # already measured (a resume at a checkpoint)
             return self.points[-1]
-        stats = heldout_statistics(draft, target, cache, self.cfg, max_sequences=self.cfg.eval_sequences)
-        accept = stats["acceptance"] * stats["valid"]  # [blocks, G]
+        held = heldout_summary(heldout_statistics(draft, target, cache, self.cfg,
+                                                  max_sequences=self.cfg.eval_sequences))
         point = {"step": step, "anchors": step * self.cfg.seqs_per_step * self.cfg.anchors_per_seq,
-                 "seconds": seconds, "block_size": int(accept.shape[1]),
-                 "heldout_tau": float((1 + accept.cumprod(1).sum(1)).mean()),
-                 "heldout_acceptance_per_pos": accept.sum(0).div(stats["valid"].sum(0).clamp_min(1)).tolist(),
-                 "heldout_blocks": int(accept.shape[0])}
+                 "seconds": seconds, "block_size": len(held["heldout_acceptance_per_pos"]),
+                 "heldout_tau": held["heldout_expected_length"],
+                 "heldout_acceptance_per_pos": held["heldout_acceptance_per_pos"],
+                 "heldout_blocks": held["heldout_blocks"]}
         self.points.append(point)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as out:
@@ -286,6 +286,15 @@ def heldout_statistics(draft: DSparkDraft, target: TargetModel, cache: TargetCac
     return {"conf_logits": torch.cat(conf), "acceptance": torch.cat(accept), "valid": torch.cat(valid)}
 
 
+def heldout_summary(stats: dict[str, torch.Tensor]) -> dict:
+    """Per-position acceptance and the analytic expected acceptance length with full blocks (1 + the sum of the
+    survival products) of :func:`heldout_statistics`' blocks."""
+    accept = stats["acceptance"] * stats["valid"]  # [blocks, G]
+    return {"heldout_acceptance_per_pos": accept.sum(0).div(stats["valid"].sum(0).clamp_min(1)).tolist(),
+            "heldout_expected_length": float((1 + accept.cumprod(1).sum(1)).mean()),
+            "heldout_blocks": int(accept.shape[0])}
+
+
 def calibrate(draft: DSparkDraft, stats: dict[str, torch.Tensor]) -> dict:
     """Sequential Temperature Scaling on held-out statistics; sets the draft's temperatures."""
     conf, accept, valid = stats["conf_logits"], stats["acceptance"], stats["valid"]
@@ -295,11 +304,7 @@ def calibrate(draft: DSparkDraft, stats: dict[str, torch.Tensor]) -> dict:
     after = cumulative_ece(conf.double(), accept, torch.tensor(temps, dtype=torch.float64), valid)
     draft.confidence_temperatures.copy_(torch.tensor(temps))
     draft.config = replace(draft.config, confidence_temperatures=tuple(temps))
-    survival = (accept * valid).cumprod(1)
-    return {"temperatures": list(temps), "ece_before": before, "ece_after": after,
-            "heldout_acceptance_per_pos": (accept * valid).sum(0).div(valid.sum(0).clamp_min(1)).tolist(),
-            "heldout_expected_length": float((1 + survival.sum(1)).mean()),
-            "heldout_blocks": int(conf.shape[0])}
+    return {"temperatures": list(temps), "ece_before": before, "ece_after": after, **heldout_summary(stats)}
 
 
 def write_summary(path: Path, summary: dict, cfg: TrainConfig) -> None:
