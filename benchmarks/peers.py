@@ -245,15 +245,16 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
     texts = [t for name in sets for t in read_prompts(name, per_set)]
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
     eos = sorted({tokenizer.eos_token_id} | set(getattr(tokenizer, "additional_eos_ids", []) or []))
+    head = Path(config.draft.path).name  # the config's head, named in its rows
     systems = {
         "vLLM plain": lambda: vllm_system(config_path, dtype, "off", prompts, max_tokens),
         "vLLM + ngram (prompt lookup, k=5)": lambda: vllm_system(config_path, dtype, "ngram", prompts, max_tokens),
-        "vLLM + DSpark (shipped head, our proposer in vLLM)": lambda: vllm_system(config_path, dtype, "dspark_plugin",
+        f"vLLM + DSpark ({head}, our proposer in vLLM)": lambda: vllm_system(config_path, dtype, "dspark_plugin",
                                                                                  prompts, max_tokens),
-        "vLLM + DSpark actor (shipped head, drafter actor over gloo)": lambda: vllm_system(
+        f"vLLM + DSpark actor ({head}, drafter actor over gloo)": lambda: vllm_system(
             config_path, dtype, "dspark_plugin", prompts, max_tokens, drafter="actor"),
         "native plain": lambda: native_system(config, False, prompts, max_tokens),
-        "native + DSpark (shipped head)": lambda: native_system(config, True, prompts, max_tokens),
+        f"native + DSpark ({head})": lambda: native_system(config, True, prompts, max_tokens),
         "transformers generate": lambda: transformers_system(config, prompts, max_tokens, eos),
     }
     rows = []

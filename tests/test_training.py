@@ -106,6 +106,39 @@ def test_a_reduced_vocabulary_keeps_the_full_vocabulary_acceptance(tmp_path):
     assert (vocabulary.ids[draft_labels[draft_labels >= 0]] == labels[draft_labels >= 0]).all()
 
 
+def test_a_full_vocabulary_draft_continues_onto_a_reduced_vocabulary_scoring_its_tokens_as_before():
+    """``train.init_from`` a full-vocabulary export with ``draft.draft_vocab_size`` set: the reduced draft keeps
+    the export's Markov rows of its tokens and the target's LM head rows, so over its tokens its logits are the
+    export's; a reduced export continues only as a reduced draft (a config error naming the field otherwise)."""
+    from dataclasses import replace
+
+    from dspark.config import DecoderConfig
+    from dspark.model.draft_model import DSparkDraft
+    from dspark.model.target_model import TargetModel
+    from dspark.testing import tiny_draft_config
+    from dspark.training.trainer import init_from_draft
+
+    target_cfg = DecoderConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                               head_dim=16, vocab_size=50)
+    torch.manual_seed(0)
+    target = TargetModel(target_cfg)
+    full = DSparkDraft(tiny_draft_config(target_cfg)).bind_target(target.embed_tokens, target.lm_head)
+    torch.nn.init.normal_(full.markov_head.markov_w2.weight)  # a trained-looking Markov output
+    vocabulary = choose_vocabulary(torch.arange(50) % 7, 20)
+    reduced = DSparkDraft(replace(full.config, draft_vocab_size=20))
+    init_from_draft(reduced, full, target, vocabulary.ids)
+    reduced.bind_target(target.embed_tokens, target.lm_head)
+    install_vocabulary(reduced, vocabulary, target.lm_head.weight)
+    hidden, prev = torch.randn(5, 3, 32), torch.randint(0, 50, (5, 3))
+    with torch.no_grad():
+        theirs, their_conf, _ = full.position_logits(full.base_logits(hidden), hidden, prev, slice(0, 3))
+        ours, our_conf, _ = reduced.position_logits(reduced.base_logits(hidden), hidden, prev, slice(0, 3))
+    assert ours.shape == (5, 3, 20) and torch.allclose(ours, theirs[..., vocabulary.ids], atol=1e-5)
+    assert torch.allclose(our_conf, their_conf)
+    with pytest.raises(ConfigError, match="train.init_from"):
+        init_from_draft(DSparkDraft(full.config), reduced, target)
+
+
 def test_sts_fixes_an_overconfident_head():
     gen = torch.Generator().manual_seed(0)
     true_logit = torch.randn(4000, 4, generator=gen)

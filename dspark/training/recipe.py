@@ -38,6 +38,7 @@ from dspark.training.vocabulary import (
     end_of_turn_ids,
     install_vocabulary,
     response_token_counts,
+    vocabulary_of,
 )
 
 
@@ -171,30 +172,33 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
         torch.manual_seed(0)
         draft = DSparkDraft(draft_cfg)
         run = cfg.train.run_name or ("train" if arch.enable_markov_head else "train_no_markov")
-        if cfg.train.init_from:
-            start = load_draft(resolve(cfg.train.init_from), tc)
-            init_from_draft(draft, start, target)
-            run += "-from-" + Path(cfg.train.init_from).name
-            if len(start.layers) != arch.num_layers:  # grown deeper: its own training state
-                run += f"-{arch.num_layers}-layers"
-        else:
-            init_from_target(draft, target)
-        draft.bind_target(target.embed_tokens, target.lm_head)
         cache = load_target_cache(cache_dir)
         log(f"[train] cache: {len(cache)} sequences, {len(cache.tokens)} tokens")
         tcfg = TrainConfig(steps=cfg.train.steps, seqs_per_step=cfg.train.seqs_per_step,
                            anchors_per_seq=cfg.train.anchors_per_seq, lr=cfg.train.lr, warmup=cfg.train.warmup,
                            time_budget_s=cfg.train.time_budget_s, eval_every=cfg.train.eval_every,
                            eval_sequences=cfg.train.eval_sequences, autocast_bf16=cfg.train.autocast_bf16)
+        start = load_draft(resolve(cfg.train.init_from), tc) if cfg.train.init_from else None
+        vocabulary = None
         if draft_cfg.reduced_vocab:  # chosen on the training split's responses (held-out rows stay unseen)
             train_seqs, _ = cache.split(tcfg.heldout_fraction, tcfg.seed)
             counts = response_token_counts(cache.tokens, [(cache.response_starts[i], cache.offsets[i + 1])
                                                           for i in train_seqs], tc.vocab_size)
-            vocabulary = choose_vocabulary(counts, draft_cfg.output_vocab_size, end_of_turn_ids(tokenizer))
-            install_vocabulary(draft, vocabulary, target.lm_head.weight)
+            vocabulary = (vocabulary_of(start, counts) if start is not None and start.config.reduced_vocab
+                          else choose_vocabulary(counts, draft_cfg.output_vocab_size, end_of_turn_ids(tokenizer)))
             summary["vocabulary"] = vocabulary.as_dict()
             log(f"[train] draft vocabulary: {len(vocabulary.ids)} tokens covering {vocabulary.coverage:.4f} "
                 "of the training responses")
+        if start is not None:
+            init_from_draft(draft, start, target, None if vocabulary is None else vocabulary.ids)
+            run += "-from-" + Path(cfg.train.init_from).name
+            if len(start.layers) != arch.num_layers:  # grown deeper: its own training state
+                run += f"-{arch.num_layers}-layers"
+        else:
+            init_from_target(draft, target)
+        draft.bind_target(target.embed_tokens, target.lm_head)
+        if vocabulary is not None:
+            install_vocabulary(draft, vocabulary, target.lm_head.weight)
         if "train" in stages:
             init_stats = heldout_statistics(draft, target, cache, tcfg)
             summary["init"] = {"heldout_expected_length": heldout_summary(init_stats)["heldout_expected_length"]}

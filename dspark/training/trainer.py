@@ -52,24 +52,46 @@ def init_from_target(draft: DSparkDraft, target: TargetModel) -> None:
     draft.norm.load_state_dict(target.norm.state_dict())
 
 
-def init_from_draft(draft: DSparkDraft, start: DSparkDraft, target: TargetModel) -> None:
-    """Continue from an exported draft, possibly grown deeper.
+def init_from_draft(draft: DSparkDraft, start: DSparkDraft, target: TargetModel,
+                    vocabulary_ids: torch.Tensor | None = None) -> None:
+    """Continue from an exported draft, possibly grown deeper, possibly onto a reduced vocabulary.
 
     Layers the export lacks are appended after its own: each starts as one of the target's last
     layers with its output projections (attention ``o_proj``, MLP ``down_proj``) zeroed, so it adds
     nothing to the residual stream and the grown draft computes exactly what the export did; training
     then opens the new layers up from there.
+
+    A full-vocabulary export continues as a reduced-vocabulary draft when ``vocabulary_ids`` [V_draft]
+    (the target ids the draft will emit) is given: its output-vocabulary rows (the Markov head's W2) are
+    the export's rows of those ids, so over them the new draft scores tokens exactly as the export did.
+    The reduced draft's LM head and mapping come from ``install_vocabulary`` after this.
     """
     own, wanted = len(start.layers), len(draft.layers)
     if own > wanted:
         raise ConfigError("draft.num_layers", f"{wanted} is fewer than the {own} layers of train.init_from")
+    state = start.state_dict()
+    installed: set[str] = set()  # what install_vocabulary gives a reduced draft that a full export lacks
+    if draft.config.reduced_vocab and not start.config.reduced_vocab:
+        if vocabulary_ids is None:
+            raise ValueError("a full-vocabulary export continues onto a reduced vocabulary only given its ids")
+        full = start.config.output_vocab_size
+        for name, param in draft.state_dict().items():
+            theirs = state.get(name)
+            if theirs is not None and theirs.shape[0] == full and param.shape == (len(vocabulary_ids),
+                                                                                 *theirs.shape[1:]):
+                state[name] = theirs[vocabulary_ids]  # [V, ...] -> [V_draft, ...]: the kept tokens' rows
+        installed = {"d2t", "t2d", "own.lm_head.weight"}
+    elif draft.config.reduced_vocab != start.config.reduced_vocab:
+        raise ConfigError("train.init_from", "a reduced-vocabulary export cannot continue as a full-vocabulary "
+                                             "draft: set draft.draft_vocab_size to its size")
     try:
-        missing, unexpected = draft.load_state_dict(start.state_dict(), strict=False)
+        missing, unexpected = draft.load_state_dict(state, strict=False)
     except RuntimeError as err:  # shapes differ (hidden size, Markov rank, feature layers ...)
         raise ConfigError("train.init_from", f"does not match the draft: {err}") from None
     grown = {name for name in missing if name.startswith("layers.") and int(name.split(".")[1]) >= own}
-    if unexpected or set(missing) - grown:
-        raise ConfigError("train.init_from", f"does not match the draft: missing {sorted(set(missing) - grown)}, "
+    if unexpected or set(missing) - grown - installed:
+        raise ConfigError("train.init_from", f"does not match the draft: missing "
+                                             f"{sorted(set(missing) - grown - installed)}, "
                                              f"unexpected {sorted(unexpected)}")
     for i in range(own, wanted):
         layer = draft.layers[i]

@@ -58,6 +58,14 @@ def choose_vocabulary(counts: torch.Tensor, size: int, always: tuple[int, ...] =
     return DraftVocabulary(ids, vocab_size, covered / total if total else 1.0)
 
 
+def vocabulary_of(draft, counts: torch.Tensor) -> DraftVocabulary:
+    """A reduced-vocabulary draft's own vocabulary, its coverage counted on ``counts`` [V] (a continued draft
+    keeps the vocabulary its Markov rows and LM head were trained over)."""
+    ids = draft.to_target_ids(torch.arange(draft.config.output_vocab_size))
+    total = int(counts.sum())
+    return DraftVocabulary(ids, len(counts), int(counts[ids].sum()) / total if total else 1.0)
+
+
 def install_vocabulary(draft, vocabulary: DraftVocabulary, target_lm_head: torch.Tensor) -> None:
     """Give a reduced-vocabulary ``DSparkDraft`` its mapping and its LM head: the target's rows [V, hidden] of
     its tokens, frozen like the shared full head (so it predicts what the target's head would, over fewer tokens)."""
