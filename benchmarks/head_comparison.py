@@ -72,7 +72,7 @@ def compare(config: Path, drafts: dict[str, str], prompts: int, max_tokens: int,
             for label, (t, p) in TEMPERATURES.items()}}
         engine.shutdown()
     first = next(iter(drafts))
-    for name, head in results["heads"].items():
+    for head in results["heads"].values():
         for label in TEMPERATURES:
             head[label]["gain_over_" + first] = (head[label]["acceptance_length"]
                                                  / results["heads"][first][label]["acceptance_length"] - 1)
