@@ -6,7 +6,10 @@ once per engine (``data.engine`` of the training recipe: ``native`` or ``vllm``)
 the figure is response tokens written per second of generation (engine start-up is reported apart).
 
     python -m benchmarks.data_generation [--prompts 96] [--batch 48] [--max-tokens 128] [--dtype bfloat16]
-        [--out data_generation.json]
+        [--engines native,vllm] [--out data_generation.json]
+
+``--batch 32,64,128`` measures each engine at each batch (sequences decoded together), for the recipe's
+``data.batch``; the ratio column is against the first row.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def measure(engine_name: str, prompts: list[str], batch: int, max_tokens: int, d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=96)
-    ap.add_argument("--batch", type=int, default=48)
+    ap.add_argument("--batch", default="48", help="comma-separated batch sizes")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     ap.add_argument("--engines", default="native,vllm")
@@ -55,21 +58,25 @@ def main() -> None:
     target_dir = prepare_target()
     target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
     prompts = decontaminate(build_prompts(args.prompts * 2, seed=7), PROMPT_SETS_DIR)[: args.prompts]
+    batches = [int(b) for b in args.batch.split(",")]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.engines.split(","):
-            print(f"[{name}] {len(prompts)} prompts, batch {args.batch}, up to {args.max_tokens} tokens each",
-                  flush=True)
-            results.append(measure(name, prompts, args.batch, args.max_tokens, args.dtype, target_dir, target,
-                                   tokenizer, Path(tmp)))
+            for batch in batches:
+                print(f"[{name}] {len(prompts)} prompts, batch {batch}, up to {args.max_tokens} tokens each",
+                      flush=True)
+                run_dir = Path(tmp) / f"batch{batch}"
+                run_dir.mkdir()
+                results.append({"batch": batch, **measure(name, prompts, batch, args.max_tokens, args.dtype,
+                                                          target_dir, target, tokenizer, run_dir)})
     base = results[0]["tokens_per_s"]
-    print(f"\n{machine()}; target {args.dtype}; {len(prompts)} prompts, batch {args.batch}, max {args.max_tokens}")
-    print(f"{'engine':8} {'start-up s':>10} {'gen s':>8} {'tokens':>8} {'tok/s':>8} {'ratio':>6}")
+    print(f"\n{machine()}; target {args.dtype}; {len(prompts)} prompts, max {args.max_tokens} tokens")
+    print(f"{'engine':8} {'batch':>5} {'start-up s':>10} {'gen s':>8} {'tokens':>8} {'tok/s':>8} {'ratio':>6}")
     for r in results:
-        print(f"{r['engine']:8} {r['startup_s']:10.1f} {r['seconds']:8.1f} {r['response_tokens']:8d} "
+        print(f"{r['engine']:8} {r['batch']:5d} {r['startup_s']:10.1f} {r['seconds']:8.1f} {r['response_tokens']:8d} "
               f"{r['tokens_per_s']:8.1f} {r['tokens_per_s'] / base:5.2f}x")
     if args.out:
-        args.out.write_text(json.dumps({"machine": machine(), "dtype": args.dtype, "batch": args.batch,
+        args.out.write_text(json.dumps({"machine": machine(), "dtype": args.dtype, "batches": batches,
                                         "max_tokens": args.max_tokens, "results": results}, indent=2) + "\n")
 
 
