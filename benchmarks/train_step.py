@@ -8,8 +8,12 @@ forward under bf16 autocast. The figure is block positions trained per
 second (anchors x block size per step, over the steps' wall time). The cache holds the target's states over text of
 the Python standard library (throughput does not depend on what the text says; nothing trained here is kept).
 
-    python -m benchmarks.train_step [--vocab 0,16384,8192] [--steps 20] [--sequences 48] [--out train_step.json]
-        [--plot train_step.png]
+    python -m benchmarks.train_step [--vocab 0,16384,8192] [--shapes 4x16,4x64] [--steps 20] [--sequences 48]
+        [--out train_step.json] [--plot train_step.png]
+
+``--shapes`` adds rows for the last (reduced) vocabulary at larger batches: sequences x anchors per sequence per
+step (``train.seqs_per_step`` x ``train.anchors_per_seq``; the recipe's default is 4x16). A step is mostly fixed
+costs at 4x16 on a CPU, so more anchors per step train more positions per second.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ def make_draft(target, vocab_size: int, cache) -> tuple[DSparkDraft, dict | None
     return draft, vocabulary.as_dict()
 
 
-def run(vocab_sizes: list[int], steps: int, sequences: int, work: Path) -> dict:
+def run(vocab_sizes: list[int], steps: int, sequences: int, work: Path,
+        shapes: tuple[tuple[int, int], ...] = ()) -> dict:
     target_dir = prepare_target()
     target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
     cache_dir = work / "cache"
@@ -83,25 +88,30 @@ def run(vocab_sizes: list[int], steps: int, sequences: int, work: Path) -> dict:
     # a reduced vocabulary runs twice: the target's LM head over the whole vocabulary (its softmax), then over the
     # draft's tokens alone with the cache's log-sum-exp (the recipe's default where the cache has it)
     # and the last reduced one a third time with the draft's forward under bf16 autocast (train.autocast_bf16)
-    variants = [(v, head, False) for v in vocab_sizes for head in (("full",) if not v else ("full", "draft"))]
+    base_shape = (cfg.seqs_per_step, cfg.anchors_per_seq)
+    variants = [(v, head, False, base_shape) for v in vocab_sizes
+                for head in (("full",) if not v else ("full", "draft"))]
     if vocab_sizes[-1]:
-        variants.append((vocab_sizes[-1], "draft", True))
-    for size, target_head, autocast in variants:
+        variants.append((vocab_sizes[-1], "draft", True, base_shape))
+        variants += [(vocab_sizes[-1], "draft", False, shape) for shape in shapes if shape != base_shape]
+    for size, target_head, autocast, (seqs, anchors) in variants:
         draft, vocabulary = make_draft(target, size, cache)
+        run_cfg = replace(cfg, autocast_bf16=autocast, seqs_per_step=seqs, anchors_per_seq=anchors)
         start = time.perf_counter()
-        summary = train(draft, target, cache if target_head == "draft" else replace(cache, logsumexp=None),
-                        replace(cfg, autocast_bf16=autocast), work / f"train-{size}-{target_head}-{autocast}",
-                        log=lambda line: None)
+        summary = train(draft, target, cache if target_head == "draft" else replace(cache, logsumexp=None), run_cfg,
+                        work / f"train-{size}-{target_head}-{autocast}-{seqs}x{anchors}", log=lambda line: None)
         seconds = time.perf_counter() - start
-        positions = summary["steps"] * cfg.seqs_per_step * cfg.anchors_per_seq * draft.config.block_size
+        positions = summary["steps"] * seqs * anchors * draft.config.block_size
         rows.append({"draft_vocab": size or target.config.vocab_size, "reduced": bool(vocabulary),
                      "target_head": target.config.vocab_size if target_head == "full" else size,
+                     "seqs_per_step": seqs, "anchors_per_seq": anchors,
                      "autocast_bf16": autocast, "final_loss": summary.get("loss"),
                      "coverage": vocabulary["coverage"] if vocabulary else 1.0, "steps": summary["steps"],
                      "seconds_per_step": seconds / summary["steps"], "positions_per_s": positions / seconds,
                      "trainable_parameters": sum(p.numel() for p in draft.parameters() if p.requires_grad)})
         print(f"[train_step] vocabulary {rows[-1]['draft_vocab']}, target head over {rows[-1]['target_head']}"
-              f"{', bf16 autocast' if autocast else ''}: {rows[-1]['seconds_per_step']:.3f} s/step", flush=True)
+              f"{', bf16 autocast' if autocast else ''}, {seqs}x{anchors}: {rows[-1]['seconds_per_step']:.3f} s/step",
+              flush=True)
     base = rows[0]["positions_per_s"]
     for r in rows:
         r["vs_first"] = r["positions_per_s"] / base
@@ -109,13 +119,14 @@ def run(vocab_sizes: list[int], steps: int, sequences: int, work: Path) -> dict:
 
 
 def table(report: dict) -> str:
-    lines = [f"{report['steps']} steps of 4 sequences x 16 anchors x 7 positions, {report['machine']}", "",
-             "| draft vocabulary | target LM head over | draft forward | response coverage | s/step | positions "
-             "trained/s | vs first | trainable params |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [f"{report['steps']} steps each, 7 positions per anchor, {report['machine']}", "",
+             "| draft vocabulary | target LM head over | draft forward | sequences x anchors per step | response "
+             "coverage | s/step | positions trained/s | vs first | trainable params |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         lines.append(f"| {r['draft_vocab']} | {r['target_head']} | {'bf16 autocast' if r['autocast_bf16'] else 'fp32'} "
-                     f"| {r['coverage']:.4f} | {r['seconds_per_step']:.3f} | "
+                     f"| {r['seqs_per_step']}x{r['anchors_per_seq']} | {r['coverage']:.4f} "
+                     f"| {r['seconds_per_step']:.3f} | "
                      f"{r['positions_per_s']:.0f} | {r['vs_first']:.2f}x | {r['trainable_parameters'] / 1e6:.1f}M |")
     return "\n".join(lines)
 
@@ -128,10 +139,11 @@ def plot(report: dict, path: Path) -> None:
 
     rows = report["rows"]
     fig, ax = plt.subplots(figsize=(6, 3))
-    ax.barh([f"{r['draft_vocab']} / {r['target_head']}{' / bf16' if r['autocast_bf16'] else ''}" for r in rows],
+    ax.barh([f"{r['draft_vocab']} / {r['target_head']}{' / bf16' if r['autocast_bf16'] else ''}"
+             f" / {r['seqs_per_step']}x{r['anchors_per_seq']}" for r in rows],
             [r["positions_per_s"] for r in rows])
     ax.set_xlabel("block positions trained per second")
-    ax.set_ylabel("draft vocabulary / target head")
+    ax.set_ylabel("draft vocabulary / target head / batch")
     ax.set_title("DSpark training throughput", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -141,13 +153,15 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", default="0,16384,8192", help="draft vocabularies (0: the target's whole one)")
+    parser.add_argument("--shapes", default="", help="comma-separated SEQSxANCHORS batches for the last vocabulary")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sequences", type=int, default=48)
     parser.add_argument("--out", default="train_step.json")
     parser.add_argument("--plot", default="train_step.png")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        report = run([int(v) for v in args.vocab.split(",")], args.steps, args.sequences, Path(tmp))
+        shapes = tuple(tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",") if shape)
+        report = run([int(v) for v in args.vocab.split(",")], args.steps, args.sequences, Path(tmp), shapes)
     report["markdown"] = table(report)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     plot(report, Path(args.plot))
