@@ -22,7 +22,7 @@ from dspark.training.losses import dspark_loss, position_weights
 from dspark.training.prepare import prepare_target
 from dspark.training.recipe import TrainFileConfig, run_recipe
 from dspark.training.trainer import in_draft_vocabulary
-from dspark.training.vocabulary import choose_vocabulary, install_vocabulary
+from dspark.training.vocabulary import choose_vocabulary, install_vocabulary, vocabulary_of
 
 from conftest import assert_vllm_reads_as_we_do, stdlib_texts
 
@@ -135,6 +135,10 @@ def test_a_full_vocabulary_draft_continues_onto_a_reduced_vocabulary_scoring_its
         ours, our_conf, _ = reduced.position_logits(reduced.base_logits(hidden), hidden, prev, slice(0, 3))
     assert ours.shape == (5, 3, 20) and torch.allclose(ours, theirs[..., vocabulary.ids], atol=1e-5)
     assert torch.allclose(our_conf, their_conf)
+    # a reduced export continues over its own tokens (its Markov rows are theirs), its coverage counted anew
+    counts = torch.arange(50).flip(0)
+    kept = vocabulary_of(reduced, counts)
+    assert (kept.ids == vocabulary.ids).all() and kept.coverage == int(counts[vocabulary.ids].sum()) / int(counts.sum())
     with pytest.raises(ConfigError, match="train.init_from"):
         init_from_draft(DSparkDraft(full.config), reduced, target)
 
