@@ -53,17 +53,20 @@ def choose_vocabulary(counts: torch.Tensor, size: int, always: tuple[int, ...] =
     score[list(always)] = float("inf")
     order = torch.sort(-score, stable=True).indices[:size]  # stable: ties keep the lower id first
     ids = torch.sort(order).values
+    return DraftVocabulary(ids, vocab_size, _coverage(counts, ids))
+
+
+def _coverage(counts: torch.Tensor, ids: torch.Tensor) -> float:
+    """The fraction of the counted tokens (``counts`` [V]) that are among ``ids`` [V_draft]."""
     total = int(counts.sum())
-    covered = int(counts[ids].sum())
-    return DraftVocabulary(ids, vocab_size, covered / total if total else 1.0)
+    return int(counts[ids].sum()) / total if total else 1.0
 
 
 def vocabulary_of(draft, counts: torch.Tensor) -> DraftVocabulary:
     """A reduced-vocabulary draft's own vocabulary, its coverage counted on ``counts`` [V] (a continued draft
     keeps the vocabulary its Markov rows and LM head were trained over)."""
     ids = draft.to_target_ids(torch.arange(draft.config.output_vocab_size))
-    total = int(counts.sum())
-    return DraftVocabulary(ids, len(counts), int(counts[ids].sum()) / total if total else 1.0)
+    return DraftVocabulary(ids, len(counts), _coverage(counts, ids))
 
 
 def install_vocabulary(draft, vocabulary: DraftVocabulary, target_lm_head: torch.Tensor) -> None:
