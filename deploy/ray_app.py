@@ -122,11 +122,12 @@ def deployment_options(config: EngineFileConfig) -> dict:
     serving, runtime = config.serving, config.runtime
     autoscaling = autoscaling_config(config)
     replicas = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": serving.num_replicas}
+    env = {**runtime.actor_env(vllm_engine=config.engine.backend == "vllm"), **replica_threads_env(config)}
     return {
         "name": "DSparkServer",
         **replicas,
         "ray_actor_options": {"num_cpus": replica_cpus(config), "num_gpus": replica_gpus(config),
-                              "runtime_env": {"env_vars": {**runtime.actor_env(), **replica_threads_env(config)}}},
+                              "runtime_env": {"env_vars": env}},
         "placement_group_bundles": placement_bundles(config),
         "placement_group_strategy": runtime.placement_strategy,
         # the replica bounds its own work (admission by tokens: 429 with Retry-After at once); Serve's bound only

@@ -146,13 +146,16 @@ class RuntimeSpec(_Strict):
                                                       "core of the node). With pipelining on a CPU-only node, give "
                                                       "the shards and the drafter disjoint shares of the cores.")
     router_threads: int = Field(1, ge=1, description="torch threads of the router process (it only batches).")
-    omp_wait_policy: Literal["brief", "default", "passive", "active"] = Field(
-        "brief", description="How the actors' OpenMP threads wait between kernels. 'brief': spin ~20K iterations "
-                             "(tens of microseconds: the gaps inside one forward pass), then sleep, so actors "
-                             "sharing cores do not spin against each other between calls; 'default': OpenMP's own "
-                             "(libgomp spins 300K iterations); 'passive': sleep at once (every kernel pays a "
-                             "wake-up: 1.6x slower decoding of a 135M target on 2 cores); 'active': spin forever "
-                             "(starves actors that share cores).")
+    omp_wait_policy: Literal["auto", "brief", "default", "passive", "active"] = Field(
+        "auto", description="How the OpenMP threads of the processes that compute wait between kernels. 'auto': "
+                            "'default' in a vllm-backend replica (vLLM's engine is the one process computing there: "
+                            "its team spins through the Python between a pass's kernels; 'brief' there served the "
+                            "embedded default 1.2x slower), 'brief' in shard and drafter actors; 'brief': spin ~20K "
+                            "iterations (tens of microseconds: the gaps inside one forward pass), then sleep, so "
+                            "actors sharing cores do not spin against each other between calls; 'default': "
+                            "OpenMP's own (libgomp spins 300K iterations); 'passive': sleep at once (every kernel "
+                            "pays a wake-up: 1.6x slower decoding of a 135M target on 2 cores); 'active': spin "
+                            "forever (starves actors that share cores).")
     drafter_timeout_s: float = Field(30.0, gt=0, description="A draft call slower than this counts as a drafter "
                                                              "failure: the router decodes without it and restarts it.")
     collective_timeout_s: float = Field(60.0, gt=0, description="Timeout of collective operations and rendezvous.")
@@ -166,11 +169,15 @@ class RuntimeSpec(_Strict):
                                                               "drafter (None: the first shard not on the drafter's "
                                                               "GPU, since NCCL cannot join two ranks on one GPU).")
 
-    def actor_env(self) -> dict[str, str]:
-        """Environment variables of the replica's processes (Ray ``runtime_env``)."""
-        if self.omp_wait_policy == "brief":  # libgomp (PyTorch's Linux wheels) and Intel OpenMP
+    def actor_env(self, vllm_engine: bool = False) -> dict[str, str]:
+        """Environment variables of the replica's processes (Ray ``runtime_env``): a shard or drafter actor's, or
+        (``vllm_engine``) those of the replica that runs vLLM's engine."""
+        policy = self.omp_wait_policy
+        if policy == "auto":
+            policy = "default" if vllm_engine else "brief"
+        if policy == "brief":  # libgomp (PyTorch's Linux wheels) and Intel OpenMP
             return {"GOMP_SPINCOUNT": "20000", "KMP_BLOCKTIME": "1"}
-        return {} if self.omp_wait_policy == "default" else {"OMP_WAIT_POLICY": self.omp_wait_policy.upper()}
+        return {} if policy == "default" else {"OMP_WAIT_POLICY": policy.upper()}
 
     @model_validator(mode="after")
     def _feature_shard_exists(self) -> RuntimeSpec:

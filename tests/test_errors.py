@@ -223,3 +223,10 @@ def test_app_builder_validates_its_arguments_and_config(tmp_path, monkeypatch):
     native = deployment_options(config.model_copy(update={"engine": config.engine.model_copy(
         update={"backend": "native"})}))  # the replica, then a target shard actor and the drafter actor
     assert native["placement_group_bundles"][0] == {"CPU": 0.5} and len(native["placement_group_bundles"]) == 3
+    # omp_wait_policy 'auto': vLLM's engine in the replica keeps libgomp's own spinning (docs/performance.md, "The
+    # served vLLM path"); shard and drafter actors wait briefly; an explicit policy holds on either backend
+    env = options["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(env) and env["OMP_NUM_THREADS"]
+    assert config.runtime.actor_env() == {"GOMP_SPINCOUNT": "20000", "KMP_BLOCKTIME": "1"}
+    brief = config.model_copy(update={"runtime": config.runtime.model_copy(update={"omp_wait_policy": "brief"})})
+    assert deployment_options(brief)["ray_actor_options"]["runtime_env"]["env_vars"]["GOMP_SPINCOUNT"] == "20000"
