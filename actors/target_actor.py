@@ -153,26 +153,32 @@ def vllm_target(config: EngineFileConfig, placement=None, drafter_bundle: int | 
     ``drafter_bundle`` of ``placement``, the replica's placement group), fed the hidden states over the feature
     channel. ``config`` with concrete dtypes.
 
-    Built on a thread of its own that ends once the engine is built, so that the OpenMP thread pool its loading,
-    profiling and warm-up created ends with it: the serving loop's thread, which steps the engine, then holds the
-    process's only pool. libgomp counts the threads of every pool in the process; past the number of CPUs it spins
-    only ~1,000 iterations before putting a worker to sleep, so every one of a forward pass's hundreds of parallel
-    regions would wake its worker with a futex. Measured here (2 cores, bf16, batch 1): stepping from a second
-    thread 15.8 tok/s against 21.5 from the building thread, 22.6 after building on a thread that ended."""
+    Built on a thread of its own that ends once the engine is built (:func:`on_own_thread`), so that the OpenMP thread
+    pool its loading, profiling and warm-up created ends with it: the serving loop's thread, which steps the engine,
+    then holds the process's only pool. libgomp counts the threads of every pool in the process; past the number of
+    CPUs it spins only ~1,000 iterations before putting a worker to sleep, so every one of a forward pass's hundreds
+    of parallel regions would wake its worker with a futex. ``python -m benchmarks.engine_thread`` (2 cores, bf16,
+    batch 1): stepping from a second thread 0.63x of stepping from the building thread; 0.94x after building on a
+    thread that ended."""
+    return on_own_thread(lambda: _vllm_target(config, placement, drafter_bundle))
+
+
+def on_own_thread(fn):
+    """``fn()`` on a new thread that ends when it returns: its result, or its exception raised here."""
     outcome: dict = {}
 
-    def build() -> None:
+    def run() -> None:
         try:
-            outcome["engine"] = _vllm_target(config, placement, drafter_bundle)
+            outcome["value"] = fn()
         except BaseException as exc:  # re-raised on the caller's thread
             outcome["error"] = exc
 
-    thread = threading.Thread(target=build, name="dspark-vllm-build")
+    thread = threading.Thread(target=run, name="dspark-own-thread")
     thread.start()
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
-    return outcome["engine"]
+    return outcome["value"]
 
 
 def _vllm_target(config: EngineFileConfig, placement, drafter_bundle: int | None):

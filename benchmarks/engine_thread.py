@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -46,16 +45,8 @@ def _decode(engine, prompts: list[list[int]], max_tokens: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def _on_thread(fn):
-    box: dict = {}
-    thread = threading.Thread(target=lambda: box.setdefault("value", fn()))
-    thread.start()
-    thread.join()
-    return box["value"]
-
-
 def child(arrangement: str, prompts_count: int, max_tokens: int) -> float:
-    from actors.target_actor import vllm_target
+    from actors.target_actor import on_own_thread, vllm_target
     from dspark.evaluation.prompt_sets import read_prompts
     from dspark.integrations.vllm_compat import VllmEngine
     from dspark.loader import encode_chat
@@ -73,7 +64,7 @@ def child(arrangement: str, prompts_count: int, max_tokens: int) -> float:
     if arrangement == "built and stepped on one thread":
         _decode(engine, prompts[:1], 16)  # warm-up
         return _decode(engine, prompts, max_tokens)
-    return _on_thread(lambda: (_decode(engine, prompts[:1], 16), _decode(engine, prompts, max_tokens))[1])
+    return on_own_thread(lambda: (_decode(engine, prompts[:1], 16), _decode(engine, prompts, max_tokens))[1])
 
 
 def main(argv: list[str] | None = None) -> int:
