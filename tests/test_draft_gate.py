@@ -15,6 +15,41 @@ def test_break_even_comes_from_the_cost_table():
     assert gate.break_even == pytest.approx(0.8)
 
 
+def test_the_bar_rises_with_the_batch_where_verifying_more_tokens_costs_more():
+    # target: 1 token 10 ms, 8 tokens 14 ms, 64 tokens 50 ms (a CPU: compute-bound past a few rows); draft pass 4 ms
+    # for one row, 10 ms for eight. One request: (14 + 4) / 10 - 1 = 0.8. Eight requests drafting full blocks:
+    # (50 + 10) / 14 - 1 = 3.29 tokens each, against 0.8 if the batch were ignored
+    profile = StepCostProfile((1, 8, 64), (0.010, 0.014, 0.050), 0.004)
+    gate = DraftGate.from_profile(profile, block_size=7, draft_seconds=lambda rows: 0.004 if rows == 1 else 0.010)
+    assert gate.break_even == pytest.approx(0.8) and gate.at(1) == pytest.approx(0.8)
+    assert gate.at(8) == pytest.approx((0.050 + 0.010) / 0.014 - 1)
+    state = gate.new_state()  # starts at 1.0 accepted: drafts alone, not in a batch of eight
+    assert gate.wants_draft(state, rows=1)
+    gate.record(state, 1, rows=8)  # still 1.0: below the batch's bar, so it waits before its next probe
+    assert not gate.wants_draft(state, rows=8)
+    assert gate.wants_draft(state, rows=1)  # alone again, the same record pays
+    # a sampled row's bar is the one-row bar whatever its batch (its draws depend on whether it drafts)
+    assert DraftGate.batch_of(8, greedy=True) == 8 and DraftGate.batch_of(8, greedy=False) == 1
+    # without a draft cost by rows the profile's one draft cost is used
+    flat = DraftGate.from_profile(profile, block_size=7)
+    assert flat.at(8) == pytest.approx((0.050 + 0.004) / 0.014 - 1)
+
+
+def test_the_measured_draft_cost_by_rows_interpolates_between_measured_batches():
+    from dspark.integrations.step_drafter import MeasuredCosts
+
+    costs = MeasuredCosts(smoothing=1.0)
+    assert costs.draft_seconds_at(4) == 0.0  # nothing measured
+    costs.record_draft(0.010, rows=1)
+    assert costs.draft_seconds_at(8) == pytest.approx(0.010)  # one batch measured: its cost
+    costs.record_draft(0.024, rows=8)
+    assert costs.draft_seconds_at(8) == pytest.approx(0.024)
+    assert costs.draft_seconds_at(4) == pytest.approx(0.010 + 0.014 * 3 / 7)
+    assert costs.draft_seconds_at(16) == pytest.approx(0.010 + 0.014 * 15 / 7)  # extrapolated along the line
+    costs.record_draft(0.030, rows=2)  # noisy: more than at eight rows
+    assert costs.draft_seconds_at(4) >= 0.030  # never below a measured smaller batch
+
+
 def test_backoff_doubles_while_drafts_do_not_pay_and_resets_when_they_do():
     gate = DraftGate(0.8, DraftGateConfig(smoothing=0.5, initial_accepted=1.0, max_backoff=4))
     state = gate.new_state()

@@ -2,10 +2,18 @@
 
 A drafted round costs the draft pass plus a longer verify; it pays when the tokens it accepts
 on average exceed ``break_even = cost(drafted round) / cost(plain round) - 1``, read from the
-engine's profiled cost table. The gate keeps, per request, an exponential moving average of the
-draft tokens accepted in its drafted rounds. Below break-even the request decodes plainly and
-probes again after 2, 4, 8 ... (at most ``max_backoff``) plain rounds, so a request whose text
-becomes predictable (a code block, a list, a quotation) gets its drafts back.
+engine's profiled cost table for the round's batch: with R requests decoding together, a round
+where each drafts and verifies its whole block of gamma costs ``t(R (1 + gamma)) + d(R)``
+against ``t(R)`` plain (``t``: the target's time by tokens verified, ``d``: the draft pass by
+rows). Where the target's cost grows with tokens (a CPU, a large batch) the bar rises with R and
+the gate stops drafts that would slow the batch down. Greedy rows only: a sampled row's bar is
+the one-row bar, so that whether it drafts, and with it its random draws, never depends on its
+batch.
+
+The gate keeps, per request, an exponential moving average of the draft tokens accepted in its
+drafted rounds. Below break-even the request decodes plainly and probes again after 2, 4, 8 ...
+(at most ``max_backoff``) plain rounds, so a request whose text becomes predictable (a code
+block, a list, a quotation) gets its drafts back.
 
 The decision depends only on rounds already verified, never on the tokens being decided, so
 it changes how fast a request is decoded and never what is decoded (greedy output stays the
@@ -14,6 +22,7 @@ target's, sampled output keeps the target's distribution).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,34 +56,62 @@ class GateState:
 
 
 class DraftGate:
-    def __init__(self, break_even: float, config: DraftGateConfig = DraftGateConfig()):
+    def __init__(self, break_even: float, config: DraftGateConfig = DraftGateConfig(),
+                 by_rows: Callable[[int], float] | None = None):
+        """``break_even``: at one request per round; ``by_rows(R)``: at R requests per round (None: the same)."""
         self.break_even, self.config = break_even, config
+        self._by_rows = by_rows
+        self._at: dict[int, float] = {}
 
     @classmethod
-    def from_profile(cls, profile: StepCostProfile, block_size: int,
-                     config: DraftGateConfig = DraftGateConfig()) -> DraftGate:
-        """Break-even at batch 1 for a fully verified block (the dearest drafted round)."""
-        drafted = float(profile.round_seconds(torch.tensor([1 + block_size]))[0])
-        plain = float(profile.round_seconds(torch.tensor([1]))[0]) - profile.draft_seconds
-        return cls(max(drafted / max(plain, 1e-9) - 1.0, 0.0), config)
+    def from_profile(cls, profile: StepCostProfile, block_size: int, config: DraftGateConfig = DraftGateConfig(),
+                     draft_seconds: Callable[[int], float] | None = None) -> DraftGate:
+        """Break-even of a fully verified block (the dearest drafted round) from the cost table, at every batch:
+        ``(t(R (1 + block_size)) + d(R)) / t(R) - 1``. ``draft_seconds(R)``: the draft pass for R rows where it is
+        measured by rows (default: the profile's one draft cost, whatever the rows)."""
+
+        def at(rows: int) -> float:
+            target = profile.round_seconds(torch.tensor([rows, rows * (1 + block_size)])) - profile.draft_seconds
+            plain, full = float(target[0]), float(target[1])
+            draft = draft_seconds(rows) if draft_seconds is not None else profile.draft_seconds
+            return max((full + draft) / max(plain, 1e-9) - 1.0, 0.0)
+
+        return cls(at(1), config, at)
+
+    @staticmethod
+    def batch_of(rows: int, greedy: bool) -> int:
+        """The batch a request's gate weighs. A greedy row's tokens are the target's argmax whatever it drafts, so
+        its gate weighs the ``rows`` decoding with it. A sampled row's draws depend on whether it drafts, so its
+        gate reads its own history only (at one row): a seeded request then gives the same tokens alone and in any
+        batch."""
+        return rows if greedy else 1
+
+    def at(self, rows: int) -> float:
+        """The break-even of a round with ``rows`` requests decoding together."""
+        if rows <= 1 or self._by_rows is None:
+            return self.break_even
+        if rows not in self._at:
+            self._at[rows] = self._by_rows(rows)
+        return self._at[rows]
 
     def new_state(self) -> GateState:
         return GateState(self.config.initial_accepted)
 
-    def wants_draft(self, state: GateState) -> bool:
-        """Whether the request drafts this round (call once per round)."""
-        if state.accepted >= self.break_even:
+    def wants_draft(self, state: GateState, rows: int = 1) -> bool:
+        """Whether the request drafts this round (call once per round), in a round of ``rows`` requests."""
+        if state.accepted >= self.at(rows):
             return True
         if state.wait > 0:
             state.wait -= 1
             return False
         return True  # a probe
 
-    def record(self, state: GateState, accepted: int) -> None:
-        """A drafted round of the request was verified with ``accepted`` draft tokens kept."""
+    def record(self, state: GateState, accepted: int, rows: int = 1) -> None:
+        """A drafted round of the request (``rows`` requests in it) was verified with ``accepted`` draft tokens
+        kept."""
         alpha = self.config.smoothing
         state.accepted = (1 - alpha) * state.accepted + alpha * accepted
-        if state.accepted >= self.break_even:
+        if state.accepted >= self.at(rows):
             state.backoff, state.wait = 1, 0
         else:
             state.wait = state.backoff

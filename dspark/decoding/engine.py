@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.config import ConfigError, EngineConfig, SamplingParams
+from dspark.config import GREEDY_BELOW, ConfigError, EngineConfig, SamplingParams
 from dspark.decoding.draft_gate import DraftGate
 from dspark.decoding.drafter import Drafter
 from dspark.decoding.metrics import SpecMetrics
@@ -203,12 +203,16 @@ class Engine:
                   for g in groups]
         return [d for d in drafts if d.requests]
 
+    @staticmethod
+    def _gate_batch(request: Request, rows: int) -> int:
+        return DraftGate.batch_of(rows, request.params.temperature < GREEDY_BELOW)
+
     def _ask_draft(self, group: int, requests: list[Request]) -> _Draft:
         """Decide who drafts (the gate, once per round) and submit their blocks to the drafter."""
         requests = [r for r in requests if r.num_cached > 0]  # prefilled: its context features are committed
         drafting = []
-        for request in requests:
-            if request.gate is None or self.gate.wants_draft(request.gate):
+        for request in requests:  # greedy rows: the bar of a round of len(requests) decoding together
+            if request.gate is None or self.gate.wants_draft(request.gate, self._gate_batch(request, len(requests))):
                 drafting.append(request)
             else:
                 request.metrics.draft_skips += 1
@@ -370,7 +374,7 @@ class Engine:
             new = tokens_rows[b][: accepted + 1]
             drafted = self.block_size if has_block[b] else 0
             if has_block[b] and request.gate is not None:
-                self.gate.record(request.gate, accepted)
+                self.gate.record(request.gate, accepted, self._gate_batch(request, len(round_.requests)))
             request.metrics.record_round(drafted, lengths[b], accepted)
             self.metrics.record_round(drafted, lengths[b], accepted)
             self._append(request, new)

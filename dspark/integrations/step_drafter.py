@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.config import GREEDY_BELOW
 from dspark.decoding.draft_gate import DraftGate, GateState
 from dspark.decoding.drafter import DrafterUnavailable, DraftInputs
 from dspark.decoding.sampling import SamplingTensors
@@ -83,16 +84,35 @@ class MeasuredCosts:
         self.smoothing, self.min_samples = smoothing, min_samples
         self.seconds: dict[int, float] = {}
         self.samples: dict[int, int] = {}
-        self.draft_seconds: float | None = None
+        self.draft_seconds: float | None = None  # the draft pass, whatever its rows (the scheduler's sunk cost)
+        self.draft_by_rows: dict[int, float] = {}  # the draft pass by rows drafted (the draft gate's d(R))
+
+    def _average(self, old: float | None, seconds: float) -> float:
+        return seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
 
     def record(self, tokens: int, seconds: float) -> None:
-        old = self.seconds.get(tokens)
-        self.seconds[tokens] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+        self.seconds[tokens] = self._average(self.seconds.get(tokens), seconds)
         self.samples[tokens] = self.samples.get(tokens, 0) + 1
 
-    def record_draft(self, seconds: float) -> None:
-        old = self.draft_seconds
-        self.draft_seconds = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+    def record_draft(self, seconds: float, rows: int = 1) -> None:
+        self.draft_seconds = self._average(self.draft_seconds, seconds)
+        self.draft_by_rows[rows] = self._average(self.draft_by_rows.get(rows), seconds)
+
+    def draft_seconds_at(self, rows: int) -> float:
+        """The draft pass for ``rows`` rows: measured, else linear between the measured row counts around it (past
+        the measured ones: along the last two), never below the cost measured at fewer rows; one measured count:
+        that cost."""
+        table = self.draft_by_rows
+        if rows in table:
+            return table[rows]
+        if not table:
+            return self.draft_seconds or 0.0
+        if len(table) == 1:
+            return next(iter(table.values()))
+        below, above = sorted(r for r in table if r < rows), sorted(r for r in table if r > rows)
+        r0, r1 = (below[-1], above[0]) if below and above else (below[-2:] if below else above[:2])
+        estimate = table[r0] + (table[r1] - table[r0]) * (rows - r0) / (r1 - r0)
+        return max(estimate, max((table[r] for r in below), default=0.0), 0.0)
 
     def profile(self) -> StepCostProfile | None:
         """The table so far (at least two token counts measured ``min_samples`` times), None before that."""
@@ -198,6 +218,7 @@ class StepDrafter:
                 self.costs.record(sum(rows.num_scheduled), now - self._last_call)
         self.stats.steps += 1
         self._refresh_gate()
+        decoding = sum(1 for c in rows.committed_tokens if c)  # rows decoding together: the gate's batch
         for rid in rows.finished:
             self._release(rid)
             self._lost.discard(rid)
@@ -221,8 +242,9 @@ class StepDrafter:
                 continue
             if seq.gate is None and self.gate is not None:
                 seq.gate = self.gate.new_state()
+            batch = DraftGate.batch_of(decoding, rows.params[i].temperature < GREEDY_BELOW)
             if rows.num_drafted[i] and committed and seq.gate is not None:
-                self.gate.record(seq.gate, len(committed) - 1)
+                self.gate.record(seq.gate, len(committed) - 1, batch)
             kept = rows.num_scheduled[i] if not committed else rows.num_scheduled[i] - rows.num_drafted[i] + \
                 len(committed) - 1  # the row's last input token plus its accepted drafts (all of a prompt chunk)
             commit_ids.append(self._handles[rid])
@@ -236,7 +258,7 @@ class StepDrafter:
                 continue
             if not rows.params[i].speculate:
                 continue
-            if seq.gate is not None and not self.gate.wants_draft(seq.gate):
+            if seq.gate is not None and not self.gate.wants_draft(seq.gate, batch):
                 self.stats.gate_skips += 1
                 continue
             drafting.append(i)
@@ -293,23 +315,20 @@ class StepDrafter:
         confidences.index_copy_(0, torch.tensor(drafting), proposal.confidences)
         elapsed = time.perf_counter() - start
         self.stats.draft_seconds += elapsed
-        self.costs.record_draft(elapsed)
+        self.costs.record_draft(elapsed, len(drafting))
         self._last_call = time.perf_counter()
         return StepDrafts(tokens, probs, confidences)
 
     def _refresh_gate(self) -> None:
-        """The draft gate's break-even from the cost table (rebuilt as the table fills in)."""
+        """The draft gate's break-even from the cost table and the draft pass by rows (rebuilt as they fill in;
+        the requests' records live in their sequences, not in the gate)."""
         if not self.use_gate:
             return
         profile = self.costs.profile()
-        if profile is None or profile == self._gate_profile:
+        if profile is None or (profile == self._gate_profile and self.gate is not None):
             return
         self._gate_profile = profile
-        gate = DraftGate.from_profile(profile, self.block_size)
-        if self.gate is None:
-            self.gate = gate
-        else:
-            self.gate.break_even = gate.break_even
+        self.gate = DraftGate.from_profile(profile, self.block_size, draft_seconds=self.costs.draft_seconds_at)
 
     @property
     def profile(self) -> StepCostProfile | None:

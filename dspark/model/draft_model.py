@@ -308,28 +308,38 @@ class DSparkDraft(nn.Module):
 
         With ``prefilter_k`` the Markov bias is added to the top ``4 * prefilter_k`` base logits and
         the token is drawn among the top ``prefilter_k`` of those; ``draft_probs`` is exactly the
-        distribution drawn from either way (zero outside the candidates).
+        distribution drawn from either way (zero outside the candidates), or None when every row is
+        greedy (verification then reads the tokens only).
+
+        The pass is cheap where it can be: the candidates are picked on the LM head's own output (its dtype,
+        the same values as in float32), only they become float32, and the dense distributions are written once
+        for the whole block, not per position.
         """
-        base = self.base_logits(hidden)  # [B, G, V]
-        vocab = base.shape[-1]
+        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))  # [B, G, V] in the head's dtype
+        vocab = logits.shape[-1]
         candidates = None
         if 0 < prefilter_k < vocab:
-            base, candidates = base.topk(min(vocab, 4 * prefilter_k), dim=-1)  # [B, G, C]
+            logits, candidates = logits.topk(min(vocab, 4 * prefilter_k), dim=-1)  # [B, G, C]
+        base = logits.float()  # [B, G, V or C]
+        greedy_only = bool(sampling.greedy.all())  # host tensors: no device sync
         tokens, probs, confidences = [], [], []
         prev, state = anchors, None
         uniforms = sampling.uniforms(hidden.shape[1])  # [B, G]
         for k in range(hidden.shape[1]):
             cand = None if candidates is None else candidates[:, k]
-            logits, conf_logit, state = self.position_logits(base[:, k], hidden[:, k], prev, k, cand, state)
-            local_probs = logits_to_probs(logits, sampling, prefilter_k)
+            position_logits, conf_logit, state = self.position_logits(base[:, k], hidden[:, k], prev, k, cand, state)
+            local_probs = logits_to_probs(position_logits, sampling, prefilter_k)  # [B, V or C]
             choice = sample_from(local_probs, uniforms[:, k])
-            if cand is None:
-                draft_probs, prev = local_probs, choice
-            else:
-                draft_probs = local_probs.new_zeros(len(choice), vocab).scatter_(-1, cand, local_probs)
-                prev = cand.gather(1, choice[:, None])[:, 0]
+            prev = choice if cand is None else cand.gather(1, choice[:, None])[:, 0]
             prev = self.to_target_ids(prev)  # the Markov head's W1 and the verifier read target ids
             tokens.append(prev)
-            probs.append(self.to_target_probs(draft_probs))
+            probs.append(local_probs)
             confidences.append(torch.sigmoid(conf_logit))
-        return DraftProposal(torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(confidences, 1))
+        draft_probs = None
+        if not greedy_only:
+            draft_probs = torch.stack(probs, 1)  # [B, G, V or C]
+            if candidates is not None:
+                draft_probs = draft_probs.new_zeros(*draft_probs.shape[:2], vocab).scatter_(-1, candidates,
+                                                                                           draft_probs)
+            draft_probs = self.to_target_probs(draft_probs)  # [B, G, V]
+        return DraftProposal(torch.stack(tokens, 1), draft_probs, torch.stack(confidences, 1))
