@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -84,10 +85,16 @@ class ServingLoop:
     def __init__(self, engine: Engine, max_running: int, max_queued: int,
                  telemetry: ReplicaTelemetry | None = None, switch: SpeculationSwitch | None = None,
                  tracer: RequestTracer | None = None, window_s: float = 10.0, max_queued_tokens: int | None = None,
-                 request_timeout_s: float = 600.0):
+                 request_timeout_s: float = 600.0, cpus: list[int] | None = None):
         """``max_queued_tokens``: reserved tokens (prompt + max_tokens) admitted past the KV cache (default: one
-        KV cache's worth); ``request_timeout_s``: each request's deadline from submission."""
+        KV cache's worth); ``request_timeout_s``: each request's deadline from submission; ``cpus``: the cores the
+        loop thread steps the engine on (``runtime.engine_cpus``: an engine computing in this process; the OpenMP
+        threads it starts inherit them), None: the process's."""
         self.engine, self.telemetry, self.switch, self.tracer = engine, telemetry, switch, tracer
+        self.cpus = set(cpus) if cpus else None
+        if self.cpus is not None and not self.cpus <= set(range(os.cpu_count() or 1)):
+            raise ConfigError("runtime.engine_cpus", f"cores {sorted(self.cpus)} are not all on this node "
+                                                     f"({os.cpu_count()} cores)")
         alloc = engine.allocator
         kv_tokens = alloc.usable_blocks * alloc.block_size
         self.admission = Admission(AdmissionLimits(
@@ -322,6 +329,8 @@ class ServingLoop:
 
     def _run(self) -> None:
         try:
+            if self.cpus is not None:
+                os.sched_setaffinity(0, self.cpus)  # this thread, before it starts its OpenMP threads
             self._serve()
         except BaseException as exc:  # a bug outside a step: the replica cannot serve; its health check says so
             self._broken = exc

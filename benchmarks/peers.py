@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.report import REPO, SERVE_CONFIG, Served, _bin, machine
+from benchmarks.report import REPO, SERVE_CONFIG, Served, _bin, machine, on_cpus
 from dspark.config import SamplingParams
 from dspark.evaluation.prompt_sets import read_prompts
 from dspark.loader import build_engine, encode_chat, load_tokenizer
@@ -204,24 +204,30 @@ def transformers_system(config, prompts, max_tokens: int, eos: list[int]) -> dic
 
 
 # ------------------------------------------------------------------------------------------------ served vLLM
-def served_vllm(config_path: Path, dtype: str, texts: list[str], prompts, max_tokens: int, work: Path) -> dict:
+def served_vllm(config_path: Path, dtype: str, texts: list[str], prompts, max_tokens: int, work: Path,
+                engine_cpus: list[int] | None = None) -> dict:
     """``serve run`` with engine.backend vllm, greedy requests through the OpenAI API at concurrency 1; and offline
     vLLM at batch 1 again while the served application sits idle beside it (on a 2-core machine Ray's and Serve's
     processes take cycles from the engine's threads even idle: that column says how much of the gap is their
-    presence rather than the served path's own work)."""
+    presence rather than the served path's own work). ``engine_cpus``: the replica's engine on those cores
+    (``runtime.engine_cpus``), ``serve run`` with Ray's and Serve's processes and the load generator on the others,
+    as the offline rows run on them alone."""
     config = load_engine_config(config_path)
+    others = set(range(os.cpu_count() or 1)) - set(engine_cpus) if engine_cpus else None
     variant = write_variant(config, work / "peers-served-vllm.json", target={"dtype": dtype},
                             engine={"backend": "vllm", "vllm_speculation": "off", "max_num_seqs": CONCURRENCY},
-                            serving={"load_aware_speculation": False})
+                            serving={"load_aware_speculation": False},
+                            **({"runtime": {"engine_cpus": engine_cpus}} if engine_cpus else {}))
     serve_yaml = work / "serve-peers.yaml"
     serve_yaml.write_text(SERVE_CONFIG.format(config=variant))
     prompts_file = work / "peers-prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in texts))
     report = work / "peers-served-load.json"
-    with Served(serve_yaml, work / "serve-peers.log"):
+    with Served(serve_yaml, work / "serve-peers.log", cpus=others):
         subprocess.run([_bin("dspark"), "loadtest", "--dataset", str(prompts_file), "--concurrency", "1",
                         "--requests", str(len(texts)), "--max-tokens", str(max_tokens), "--temperature", "0",
-                        "--top-p", "1.0", "--modes", "off", "--out", str(report)], cwd=REPO, check=True)
+                        "--top-p", "1.0", "--modes", "off", "--out", str(report)], cwd=REPO, check=True,
+                       preexec_fn=on_cpus(others))
         beside = vllm_system(config_path, dtype, "off", prompts, max_tokens, greedy_batch_1_only=True)
     level = json.loads(report.read_text())["levels"][0]
     outputs, seconds = beside["greedy"]["batch 1"]
@@ -232,9 +238,14 @@ def served_vllm(config_path: Path, dtype: str, texts: list[str], prompts, max_to
 
 # ------------------------------------------------------------------------------------------------ report
 def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype: str, work: Path,
-        only: list[str] | None = None) -> dict:
+        only: list[str] | None = None, engine_cpus: list[int] | None = None) -> dict:
     """``only``: run the systems whose names contain one of these (vLLM plain, the baseline, always runs; the
-    served path only when 'served' is among them); None: everything."""
+    served path only when 'served' is among them); None: everything. ``engine_cpus``: every engine computes on
+    these cores with one thread each (the served one too: ``served_vllm``); None: on all of them."""
+    if engine_cpus:
+        os.sched_setaffinity(0, set(engine_cpus))  # the engines' processes (spawned) inherit both
+        os.environ["OMP_NUM_THREADS"] = str(len(engine_cpus))
+        torch.set_num_threads(len(engine_cpus))
     config = load_engine_config(config_path)
     if "DSPARK_CACHE" in config.target.path:
         prepare_target()
@@ -281,18 +292,20 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
         del r["outputs"]
     served = None
     if only is None or "served" in only:
-        served = served_vllm(config_path, dtype, texts, prompts, max_tokens, work)
+        served = served_vllm(config_path, dtype, texts, prompts, max_tokens, work, engine_cpus)
         offline = next(r for r in rows if r["system"] == "vLLM plain" and r["mode"] == "batch 1"
                        and r["temperature"] == "greedy")
         served["vs_offline_vllm_batch_1"] = served["tok_s"] / offline["tok_s"]
         served["vs_offline_beside"] = served["tok_s"] / served["offline_beside_tok_s"]
     return {"machine": machine(), "dtype": dtype, "sets": sets, "per_set": per_set, "prompts": len(prompts),
-            "max_tokens": max_tokens, "rows": rows, "served_vllm": served}
+            "max_tokens": max_tokens, "engine_cpus": engine_cpus, "rows": rows, "served_vllm": served}
 
 
 def table(report: dict) -> str:
     lines = [f"{report['prompts']} prompts ({', '.join(report['sets'])}, {report['per_set']} each) x up to "
-             f"{report['max_tokens']} tokens, {report['dtype']}; {report['machine']}", "",
+             f"{report['max_tokens']} tokens, {report['dtype']}; {report['machine']}"
+             + (f"; engines on cores {report['engine_cpus']} (one thread each), serve run and the load generator "
+                "on the others" if report.get("engine_cpus") else ""), "",
              "| system | mode | decoding | tok/s | vs vLLM plain | τ (pooled) | greedy outputs equal to vLLM plain |",
              "|---|---|---|---:|---:|---:|---:|"]
     for r in report["rows"]:
@@ -348,13 +361,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default=str(REPO / "out" / "peers"), help="folder for configs and logs")
     parser.add_argument("--out", default="peers.json")
     parser.add_argument("--plot", default="peers.png")
+    parser.add_argument("--engine-cpus", default=None, help="comma-separated cores every engine computes on, one "
+                                                             "thread each (runtime.engine_cpus for the served one, "
+                                                             "its serve run on the other cores); default: all")
     parser.add_argument("--only", default=None, help="comma-separated parts of system names to run (vLLM plain "
                                                      "always runs; 'served' for the served path); default: all")
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     report = run(Path(args.config), args.sets.split(","), args.per_set, args.max_tokens, args.dtype, work,
-                 args.only.split(",") if args.only else None)
+                 args.only.split(",") if args.only else None,
+                 [int(c) for c in args.engine_cpus.split(",")] if args.engine_cpus else None)
     report["markdown"] = table(report)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     plot(report, Path(args.plot))

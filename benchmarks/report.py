@@ -77,16 +77,24 @@ def served_config(out: Path, load_aware: bool) -> Path:
     return serve_yaml
 
 
+def on_cpus(cpus: set[int] | None):
+    """A ``preexec_fn`` that starts a child process on ``cpus`` (None: no change)."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
 class Served:
     """``serve run`` in the background for the duration of a ``with`` block."""
 
-    def __init__(self, serve_yaml: Path, log: Path):
-        self.serve_yaml, self.log = serve_yaml, log
+    def __init__(self, serve_yaml: Path, log: Path, cpus: set[int] | None = None):
+        """``cpus``: the cores ``serve run`` and everything it starts (Ray's and Serve's processes, the replica) run
+        on; None: this process's."""
+        self.serve_yaml, self.log, self.cpus = serve_yaml, log, cpus
 
     def __enter__(self):
         env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
         self.proc = subprocess.Popen([_bin("serve"), "run", str(self.serve_yaml)], cwd=REPO, env=env,
-                                     stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+                                     stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     preexec_fn=on_cpus(self.cpus))
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             try:

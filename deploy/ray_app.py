@@ -110,7 +110,8 @@ def replica_threads_env(config: EngineFileConfig) -> dict[str, str]:
     alone, until both were set."""
     if config.engine.backend != "vllm" or config.runtime.shard_gpus:
         return {}
-    threads = str(config.runtime.shard_threads or os.cpu_count() or 1)
+    cpus = config.runtime.engine_cpus  # pinned: one OpenMP thread per core of its own
+    threads = str(len(cpus) if cpus else config.runtime.shard_threads or os.cpu_count() or 1)
     env = {"OMP_NUM_THREADS": threads, "NUMBA_NUM_THREADS": threads}
     autoscaling = config.serving.autoscaling
     if (autoscaling.max_replicas if autoscaling else config.serving.num_replicas) > 1:

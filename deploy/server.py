@@ -85,7 +85,8 @@ class DSparkServer(GrpcApi):
         self.loop = ServingLoop(self.router, spec.max_concurrent_requests, spec.max_queued_requests,
                                 telemetry=self.telemetry, switch=switch,
                                 tracer=RequestTracer(provider) if provider else None,
-                                max_queued_tokens=spec.max_queued_tokens, request_timeout_s=spec.request_timeout_s)
+                                max_queued_tokens=spec.max_queued_tokens, request_timeout_s=spec.request_timeout_s,
+                                cpus=config.runtime.engine_cpus)
         self.created = int(time.time())
 
     def __serve_build_asgi_app__(self):  # noqa: N802  (Serve builds the HTTP app per replica, after __init__)

@@ -156,6 +156,12 @@ class RuntimeSpec(_Strict):
                             "OpenMP's own (libgomp spins 300K iterations); 'passive': sleep at once (every kernel "
                             "pays a wake-up: 1.6x slower decoding of a 135M target on 2 cores); 'active': spin "
                             "forever (starves actors that share cores).")
+    engine_cpus: list[int] | None = Field(
+        None, min_length=1, description="vllm backend on CPUs: the cores vLLM's engine computes on (the thread that "
+                                        "steps it and its OpenMP threads, one per core), leaving the replica's other "
+                                        "threads and Ray's and Serve's processes the rest of the node, as vLLM's own "
+                                        "CPU server keeps cores for its front end (VLLM_CPU_NUM_OF_RESERVED_CPU). "
+                                        "None: every core, shared with them (docs/performance.md measures both).")
     drafter_timeout_s: float = Field(30.0, gt=0, description="A draft call slower than this counts as a drafter "
                                                              "failure: the router decodes without it and restarts it.")
     collective_timeout_s: float = Field(60.0, gt=0, description="Timeout of collective operations and rendezvous.")
@@ -178,6 +184,13 @@ class RuntimeSpec(_Strict):
         if policy == "brief":  # libgomp (PyTorch's Linux wheels) and Intel OpenMP
             return {"GOMP_SPINCOUNT": "20000", "KMP_BLOCKTIME": "1"}
         return {} if policy == "default" else {"OMP_WAIT_POLICY": policy.upper()}
+
+    @field_validator("engine_cpus")
+    @classmethod
+    def _distinct_cores(cls, cpus: list[int] | None) -> list[int] | None:
+        if cpus is not None and (min(cpus) < 0 or len(set(cpus)) != len(cpus)):
+            raise ValueError(f"engine_cpus must be distinct core ids >= 0, got {cpus}")
+        return cpus
 
     @model_validator(mode="after")
     def _feature_shard_exists(self) -> RuntimeSpec:
@@ -279,6 +292,11 @@ class EngineFileConfig(_Strict):
                 raise ValueError("engine.vllm_drafter: 'actor' needs runtime.tp_size 1 for now: with tensor "
                                  "parallelism the proposer runs in vLLM's rank-0 Ray worker, which does not host "
                                  "the drafter's channel yet")
+        if self.runtime.engine_cpus is not None and (self.engine.backend != "vllm" or self.runtime.tp_size > 1
+                                                     or self.runtime.shard_gpus):
+            raise ValueError("runtime.engine_cpus pins vLLM's engine in the replica process to CPU cores: it needs "
+                             "engine.backend 'vllm' on CPUs with runtime.tp_size 1 (native shard actors and vLLM's "
+                             "tensor-parallel workers are separate processes)")
         return self
 
     def resolve(self, path: str) -> Path:

@@ -7,6 +7,7 @@ needs no cluster. (The live app's /metrics is checked against `dspark bench` in 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -137,3 +138,18 @@ def test_grafana_dashboard_queries_only_metrics_the_replicas_export():
     assert len(exprs) >= 15 and names and names <= exported, names - exported
     kinds = {spec.kind for spec in METRICS if any(n.startswith(spec.name) for n in names)}
     assert kinds == {"counter", "gauge", "histogram"}
+
+
+def test_the_loop_steps_the_engine_on_the_cores_it_is_given(engine_factory, tiny_tokenizer):
+    """runtime.engine_cpus: the loop thread (which steps the engine, and whose OpenMP threads inherit its cores) runs
+    on the given cores; the rest of the process keeps its own; a core the node lacks is refused by name."""
+    before = os.sched_getaffinity(0)
+    loop = ServingLoop(engine_factory(), 8, 8, cpus=[0])
+    try:
+        results = asyncio.run(run_requests(loop, [tiny_tokenizer.encode("def main():")]))
+        assert os.sched_getaffinity(loop._thread.native_id) == {0}
+    finally:
+        loop.close()
+    assert results[0][-1].kind == "finished" and os.sched_getaffinity(0) == before
+    with pytest.raises(ConfigError, match="runtime.engine_cpus"):
+        ServingLoop(engine_factory(), 8, 8, cpus=[os.cpu_count()])

@@ -180,6 +180,26 @@ def test_drafter_actor_mode_is_refused_by_name_where_it_cannot_run(tmp_path, eng
         write_variant(config, tmp_path / "bad.yaml", engine=engine, runtime=runtime)
 
 
+@pytest.mark.parametrize("engine, runtime", [
+    ({"backend": "native"}, {"engine_cpus": [1]}),  # the native target computes in its shard actors
+    ({"backend": "vllm"}, {"engine_cpus": [1], "tp_size": 3}),  # vLLM's tensor-parallel workers: other processes
+    ({"backend": "vllm"}, {"engine_cpus": [1, 1]}),
+    ({"backend": "vllm"}, {"engine_cpus": [-1]}),
+])
+def test_engine_cores_are_refused_by_name_where_they_cannot_apply(tmp_path, engine, runtime):
+    config = load_engine_config(REPO / "configs" / "embedded.yaml")
+    with pytest.raises(ConfigError, match="engine_cpus"):
+        write_variant(config, tmp_path / "bad.yaml", engine=engine, runtime=runtime)
+
+
+def test_a_pinned_engine_gets_one_thread_per_core(tmp_path):
+    config = load_engine_config(REPO / "configs" / "embedded.yaml")
+    pinned = load_engine_config(write_variant(config, tmp_path / "pinned.yaml", engine={"backend": "vllm"},
+                                              runtime={"engine_cpus": [1]}))
+    env = deployment_options(pinned)["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert env["OMP_NUM_THREADS"] == "1" and env["NUMBA_NUM_THREADS"] == "1"
+
+
 def test_drafter_actor_mode_reserves_a_bundle_and_tells_the_proposer(tmp_path):
     """engine.vllm_drafter 'actor': the replica's placement group gets the drafter's bundle after the replica's own
     (the engine computes in bundle 0), and the proposer learns from --additional-config that it drafts remotely."""
