@@ -81,6 +81,27 @@ class _Timing:
         return self.max_tokens - self.delivered
 
 
+def _check_cores(cpus: set[int]) -> None:
+    """``runtime.engine_cpus`` must be cores a thread of this process may run on (a container's cpuset may hold
+    fewer than the node's): tried on a thread of its own, refused by name before the loop starts."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise ConfigError("runtime.engine_cpus", "pinning threads to cores needs Linux (os.sched_setaffinity)")
+    failure: list[OSError] = []
+
+    def attempt() -> None:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as exc:
+            failure.append(exc)
+
+    probe = threading.Thread(target=attempt, name="dspark-engine-cpus-check")
+    probe.start()
+    probe.join()
+    if failure:
+        raise ConfigError("runtime.engine_cpus", f"cores {sorted(cpus)} are not available to this process "
+                                                 f"({failure[0].strerror}; the node has {os.cpu_count()} cores)")
+
+
 class ServingLoop:
     def __init__(self, engine: Engine, max_running: int, max_queued: int,
                  telemetry: ReplicaTelemetry | None = None, switch: SpeculationSwitch | None = None,
@@ -92,9 +113,8 @@ class ServingLoop:
         threads it starts inherit them), None: the process's."""
         self.engine, self.telemetry, self.switch, self.tracer = engine, telemetry, switch, tracer
         self.cpus = set(cpus) if cpus else None
-        if self.cpus is not None and not self.cpus <= set(range(os.cpu_count() or 1)):
-            raise ConfigError("runtime.engine_cpus", f"cores {sorted(self.cpus)} are not all on this node "
-                                                     f"({os.cpu_count()} cores)")
+        if self.cpus is not None:
+            _check_cores(self.cpus)
         alloc = engine.allocator
         kv_tokens = alloc.usable_blocks * alloc.block_size
         self.admission = Admission(AdmissionLimits(

@@ -243,6 +243,8 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
     served path only when 'served' is among them); None: everything. ``engine_cpus``: every engine computes on
     these cores with one thread each (the served one too: ``served_vllm``); None: on all of them."""
     if engine_cpus:
+        if not set(range(os.cpu_count() or 1)) - set(engine_cpus):
+            raise SystemExit("--engine-cpus must leave a core for serve run and the load generator")
         os.sched_setaffinity(0, set(engine_cpus))  # the engines' processes (spawned) inherit both
         os.environ["OMP_NUM_THREADS"] = str(len(engine_cpus))
         torch.set_num_threads(len(engine_cpus))

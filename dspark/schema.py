@@ -161,6 +161,7 @@ class RuntimeSpec(_Strict):
                                         "steps it and its OpenMP threads, one per core), leaving the replica's other "
                                         "threads and Ray's and Serve's processes the rest of the node, as vLLM's own "
                                         "CPU server keeps cores for its front end (VLLM_CPU_NUM_OF_RESERVED_CPU). "
+                                        "One thread per core (runtime.shard_threads does not apply); one replica. "
                                         "None: every core, shared with them (docs/performance.md measures both).")
     drafter_timeout_s: float = Field(30.0, gt=0, description="A draft call slower than this counts as a drafter "
                                                              "failure: the router decodes without it and restarts it.")
@@ -297,6 +298,11 @@ class EngineFileConfig(_Strict):
             raise ValueError("runtime.engine_cpus pins vLLM's engine in the replica process to CPU cores: it needs "
                              "engine.backend 'vllm' on CPUs with runtime.tp_size 1 (native shard actors and vLLM's "
                              "tensor-parallel workers are separate processes)")
+        replicas = self.serving.autoscaling.max_replicas if self.serving.autoscaling else self.serving.num_replicas
+        if self.runtime.engine_cpus is not None and replicas > 1:
+            raise ValueError("runtime.engine_cpus names cores of a node, and every replica on that node would pin its "
+                             "engine to the same ones: it needs a single replica (serving.num_replicas 1, no "
+                             "autoscaling above 1)")
         return self
 
     def resolve(self, path: str) -> Path:

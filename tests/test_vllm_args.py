@@ -185,11 +185,13 @@ def test_drafter_actor_mode_is_refused_by_name_where_it_cannot_run(tmp_path, eng
     ({"backend": "vllm"}, {"engine_cpus": [1], "tp_size": 3}),  # vLLM's tensor-parallel workers: other processes
     ({"backend": "vllm"}, {"engine_cpus": [1, 1]}),
     ({"backend": "vllm"}, {"engine_cpus": [-1]}),
+    ({"backend": "vllm"}, {"engine_cpus": [1], "serving": {"num_replicas": 2}}),  # replicas would share the cores
 ])
 def test_engine_cores_are_refused_by_name_where_they_cannot_apply(tmp_path, engine, runtime):
     config = load_engine_config(REPO / "configs" / "embedded.yaml")
+    serving = runtime.pop("serving", {})
     with pytest.raises(ConfigError, match="engine_cpus"):
-        write_variant(config, tmp_path / "bad.yaml", engine=engine, runtime=runtime)
+        write_variant(config, tmp_path / "bad.yaml", engine=engine, runtime=runtime, serving=serving)
 
 
 def test_a_pinned_engine_gets_one_thread_per_core(tmp_path):

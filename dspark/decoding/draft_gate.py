@@ -68,12 +68,13 @@ class DraftGate:
                      draft_seconds: Callable[[int], float] | None = None) -> DraftGate:
         """Break-even of a fully verified block (the dearest drafted round) from the cost table, at every batch:
         ``(t(R (1 + block_size)) + d(R)) / t(R) - 1``. ``draft_seconds(R)``: the draft pass for R rows where it is
-        measured by rows (default: the profile's one draft cost, whatever the rows)."""
+        measured by rows, for R > 1 (default, and at one row: the profile's one draft cost)."""
 
         def at(rows: int) -> float:
             target = profile.round_seconds(torch.tensor([rows, rows * (1 + block_size)])) - profile.draft_seconds
             plain, full = float(target[0]), float(target[1])
-            draft = draft_seconds(rows) if draft_seconds is not None else profile.draft_seconds
+            # one row: the profile's draft cost, as ever (a sampled row's bar must not follow the batches drafted)
+            draft = draft_seconds(rows) if draft_seconds is not None and rows > 1 else profile.draft_seconds
             return max((full + draft) / max(plain, 1e-9) - 1.0, 0.0)
 
         return cls(at(1), config, at)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.config import GREEDY_BELOW, ConfigError, EngineConfig, SamplingParams
+from dspark.config import ConfigError, EngineConfig, SamplingParams
 from dspark.decoding.draft_gate import DraftGate
 from dspark.decoding.drafter import Drafter
 from dspark.decoding.metrics import SpecMetrics
@@ -205,7 +205,7 @@ class Engine:
 
     @staticmethod
     def _gate_batch(request: Request, rows: int) -> int:
-        return DraftGate.batch_of(rows, request.params.temperature < GREEDY_BELOW)
+        return DraftGate.batch_of(rows, request.params.greedy)
 
     def _ask_draft(self, group: int, requests: list[Request]) -> _Draft:
         """Decide who drafts (the gate, once per round) and submit their blocks to the drafter."""

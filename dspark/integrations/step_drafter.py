@@ -38,6 +38,10 @@ class RowParams:
     max_total_tokens: int  # prompt + output tokens the request may reach (bounded by the model length)
     speculate: bool = True  # False: the client (or the load-aware switch) asked for plain decoding
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
 
 @dataclass
 class StepRows:
@@ -242,7 +246,7 @@ class StepDrafter:
                 continue
             if seq.gate is None and self.gate is not None:
                 seq.gate = self.gate.new_state()
-            batch = DraftGate.batch_of(decoding, rows.params[i].temperature < GREEDY_BELOW)
+            batch = DraftGate.batch_of(decoding, rows.params[i].greedy)
             if rows.num_drafted[i] and committed and seq.gate is not None:
                 self.gate.record(seq.gate, len(committed) - 1, batch)
             kept = rows.num_scheduled[i] if not committed else rows.num_scheduled[i] - rows.num_drafted[i] + \

@@ -327,8 +327,8 @@ class DSparkDraft(nn.Module):
         uniforms = sampling.uniforms(hidden.shape[1])  # [B, G]
         for k in range(hidden.shape[1]):
             cand = None if candidates is None else candidates[:, k]
-            position_logits, conf_logit, state = self.position_logits(base[:, k], hidden[:, k], prev, k, cand, state)
-            local_probs = logits_to_probs(position_logits, sampling, prefilter_k)  # [B, V or C]
+            logits_k, conf_logit, state = self.position_logits(base[:, k], hidden[:, k], prev, k, cand, state)
+            local_probs = logits_to_probs(logits_k, sampling, prefilter_k)  # [B, V or C]
             choice = sample_from(local_probs, uniforms[:, k])
             prev = choice if cand is None else cand.gather(1, choice[:, None])[:, 0]
             prev = self.to_target_ids(prev)  # the Markov head's W1 and the verifier read target ids
