@@ -2,7 +2,8 @@
 
 What the draft gate's ``d(R)`` and the step's time split are made of: the head over a 200-token context per row
 (committed as the target would commit it), one block of ``block_size`` per row, the embedded default's prefilter
-(``draft_top_k``) and dtype. Median of ``--repeats`` calls per cell, each after one more committed position.
+(``draft_top_k``) and dtype. Median of ``--repeats`` calls per cell, each after one more committed position, beside
+the native target's plain step for as many tokens (its cost profile, measured in the same run).
 
     python -m benchmarks.draft_pass [--rows 1,4,8] [--repeats 20] [--out draft_pass.json]
 """
@@ -65,17 +66,21 @@ def main(argv: list[str] | None = None) -> int:
     drafter = engine.drafter
     draft_ms(drafter, 1, 0.0, 3)  # warm-up
     rows = [int(r) for r in args.rows.split(",")]
+    profile = engine.measure_profile()  # the baseline: the target's plain step for as many rows, this run
     report = {"machine": machine(), "dtype": str(drafter.model.fc.weight.dtype).removeprefix("torch."),
               "block_size": drafter.block_size, "prefilter_k": drafter.prefilter_k, "context": CONTEXT, "cells": []}
     for r in rows:
         for label, temperature in (("greedy", 0.0), ("T=1 top-p 0.95", 1.0)):
             ms = draft_ms(drafter, r, temperature, args.repeats)
-            report["cells"].append({"rows": r, "sampling": label, "ms": ms})
+            plain_ms = 1e3 * float(profile.round_seconds(torch.tensor([r]))[0] - profile.draft_seconds)
+            report["cells"].append({"rows": r, "sampling": label, "ms": ms, "plain_target_step_ms": plain_ms})
             print(f"[draft_pass] rows {r}, {label}: {ms:.2f} ms", flush=True)
     lines = [f"The draft pass, {report['dtype']}, block {report['block_size']}, prefilter {report['prefilter_k']}, "
-             f"{CONTEXT}-token context per row; {report['machine']}", "", "| rows | sampling | ms per pass |",
-             "|---:|---|---:|"]
-    lines += [f"| {c['rows']} | {c['sampling']} | {c['ms']:.2f} |" for c in report["cells"]]
+             f"{CONTEXT}-token context per row; {report['machine']}", "",
+             "| rows | sampling | ms per pass | native target's plain step (ms, as many tokens) | draft / step |",
+             "|---:|---|---:|---:|---:|"]
+    lines += [f"| {c['rows']} | {c['sampling']} | {c['ms']:.2f} | {c['plain_target_step_ms']:.2f} | "
+              f"{c['ms'] / c['plain_target_step_ms']:.2f}x |" for c in report["cells"]]
     report["markdown"] = "\n".join(lines)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(report["markdown"])

@@ -203,16 +203,13 @@ class Engine:
                   for g in groups]
         return [d for d in drafts if d.requests]
 
-    @staticmethod
-    def _gate_batch(request: Request, rows: int) -> int:
-        return DraftGate.batch_of(rows, request.params.greedy)
-
     def _ask_draft(self, group: int, requests: list[Request]) -> _Draft:
         """Decide who drafts (the gate, once per round) and submit their blocks to the drafter."""
         requests = [r for r in requests if r.num_cached > 0]  # prefilled: its context features are committed
         drafting = []
         for request in requests:  # greedy rows: the bar of a round of len(requests) decoding together
-            if request.gate is None or self.gate.wants_draft(request.gate, self._gate_batch(request, len(requests))):
+            batch = DraftGate.batch_of(len(requests), request.params.greedy)
+            if request.gate is None or self.gate.wants_draft(request.gate, batch):
                 drafting.append(request)
             else:
                 request.metrics.draft_skips += 1
@@ -374,7 +371,8 @@ class Engine:
             new = tokens_rows[b][: accepted + 1]
             drafted = self.block_size if has_block[b] else 0
             if has_block[b] and request.gate is not None:
-                self.gate.record(request.gate, accepted, self._gate_batch(request, len(round_.requests)))
+                batch = DraftGate.batch_of(len(round_.requests), request.params.greedy)
+                self.gate.record(request.gate, accepted, batch)
             request.metrics.record_round(drafted, lengths[b], accepted)
             self.metrics.record_round(drafted, lengths[b], accepted)
             self._append(request, new)

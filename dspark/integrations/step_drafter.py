@@ -329,7 +329,7 @@ class StepDrafter:
         if not self.use_gate:
             return
         profile = self.costs.profile()
-        if profile is None or (profile == self._gate_profile and self.gate is not None):
+        if profile is None or profile == self._gate_profile:
             return
         self._gate_profile = profile
         self.gate = DraftGate.from_profile(profile, self.block_size, draft_seconds=self.costs.draft_seconds_at)

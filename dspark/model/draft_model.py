@@ -321,7 +321,8 @@ class DSparkDraft(nn.Module):
         if 0 < prefilter_k < vocab:
             logits, candidates = logits.topk(min(vocab, 4 * prefilter_k), dim=-1)  # [B, G, C]
         base = logits.float()  # [B, G, V or C]
-        greedy_only = bool(sampling.greedy.all())  # host tensors: no device sync
+        # decided on the host when the parameters are there (as logits_to_probs does); on a device: built anyway
+        greedy_only = bool(sampling.greedy.all()) if sampling.temperature.device.type == "cpu" else False
         tokens, probs, confidences = [], [], []
         prev, state = anchors, None
         uniforms = sampling.uniforms(hidden.shape[1])  # [B, G]
