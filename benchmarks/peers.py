@@ -74,8 +74,12 @@ def _timed(name: str, prompts: list[list[int]], one, batch) -> dict:
 
 # ------------------------------------------------------------------------------------------------ vLLM (own process)
 def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[list[int]], max_tokens: int,
-                 greedy_batch_1_only: bool, queue, drafter: str = "colocated") -> None:
+                 greedy_batch_1_only: bool, queue, drafter: str = "colocated", cpus: list[int] | None = None) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if cpus:  # before vLLM and its OpenMP threads start: they inherit the cores and the thread count
+        os.sched_setaffinity(0, set(cpus))
+        os.environ["OMP_NUM_THREADS"] = str(len(cpus))
+        torch.set_num_threads(len(cpus))
     from vllm import LLM
     from vllm import SamplingParams as VllmParams
     from vllm.inputs import TokensPrompt
@@ -133,11 +137,12 @@ def _vllm_spec_counters(llm) -> dict:
 
 
 def vllm_system(config_path: Path, dtype: str, speculation: str, prompts, max_tokens: int,
-                greedy_batch_1_only: bool = False, drafter: str = "colocated") -> dict:
+                greedy_batch_1_only: bool = False, drafter: str = "colocated", cpus: list[int] | None = None) -> dict:
+    """``cpus``: the engine's process on those cores, one thread each (None: this process's cores)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_vllm_worker, args=(str(config_path), dtype, speculation, prompts, max_tokens,
-                                                  greedy_batch_1_only, queue, drafter))
+                                                  greedy_batch_1_only, queue, drafter, cpus))
     proc.start()
     while True:  # a worker that dies (a bad engine argument) must not leave the run waiting forever
         try:
@@ -211,7 +216,8 @@ def served_vllm(config_path: Path, dtype: str, texts: list[str], prompts, max_to
     processes take cycles from the engine's threads even idle: that column says how much of the gap is their
     presence rather than the served path's own work). ``engine_cpus``: the replica's engine on those cores
     (``runtime.engine_cpus``), ``serve run`` with Ray's and Serve's processes and the load generator on the others,
-    as the offline rows run on them alone."""
+    and the offline run beside it on the same cores, one thread each: the same engine on the same cores, served
+    and offline."""
     config = load_engine_config(config_path)
     others = set(range(os.cpu_count() or 1)) - set(engine_cpus) if engine_cpus else None
     variant = write_variant(config, work / "peers-served-vllm.json", target={"dtype": dtype},
@@ -228,7 +234,8 @@ def served_vllm(config_path: Path, dtype: str, texts: list[str], prompts, max_to
                         "--requests", str(len(texts)), "--max-tokens", str(max_tokens), "--temperature", "0",
                         "--top-p", "1.0", "--modes", "off", "--out", str(report)], cwd=REPO, check=True,
                        preexec_fn=on_cpus(others))
-        beside = vllm_system(config_path, dtype, "off", prompts, max_tokens, greedy_batch_1_only=True)
+        beside = vllm_system(config_path, dtype, "off", prompts, max_tokens, greedy_batch_1_only=True,
+                             cpus=engine_cpus)
     level = json.loads(report.read_text())["levels"][0]
     outputs, seconds = beside["greedy"]["batch 1"]
     return {"tok_s": level["throughput_tok_s"], "completion_tokens": level["output_tokens"],
@@ -237,14 +244,34 @@ def served_vllm(config_path: Path, dtype: str, texts: list[str], prompts, max_to
 
 
 # ------------------------------------------------------------------------------------------------ report
+def _checkpointed(path: Path, key: dict, name: str, fn):
+    """A system's results from ``path`` when an earlier, interrupted run with the same ``key`` (settings and
+    machine) finished it; else measured now and added to ``path``, so a long run resumes where it stopped."""
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    if saved.get("key") != key:
+        saved = {"key": key, "systems": {}}
+    if name in saved["systems"]:
+        print(f"[peers] {name}: from {path} (an interrupted run of the same settings on this machine)",
+              file=sys.stderr, flush=True)
+        return saved["systems"][name]
+    results = json.loads(json.dumps(fn()))  # tuples as lists: the same shape whether measured now or resumed
+    saved["systems"][name] = results
+    path.write_text(json.dumps(saved) + "\n")
+    return results
+
+
 def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype: str, work: Path,
-        only: list[str] | None = None, engine_cpus: list[int] | None = None) -> dict:
+        only: list[str] | None = None, engine_cpus: list[int] | None = None,
+        served_engine_cpus: list[int] | None = None, resume: bool = False) -> dict:
     """``only``: run the systems whose names contain one of these (vLLM plain, the baseline, always runs; the
     served path only when 'served' is among them); None: everything. ``engine_cpus``: every engine computes on
-    these cores with one thread each (the served one too: ``served_vllm``); None: on all of them."""
+    these cores with one thread each (the served one too: ``served_vllm``); None: on all of them.
+    ``served_engine_cpus``: only the served path's engine (and its offline twin) on those cores. ``resume``: the
+    systems an interrupted run with the same settings finished on this machine are read back from ``work``."""
+    served_engine_cpus = served_engine_cpus or engine_cpus
+    if served_engine_cpus and not set(range(os.cpu_count() or 1)) - set(served_engine_cpus):
+        raise SystemExit("--engine-cpus / --served-engine-cpus must leave a core for serve run and the load generator")
     if engine_cpus:
-        if not set(range(os.cpu_count() or 1)) - set(engine_cpus):
-            raise SystemExit("--engine-cpus must leave a core for serve run and the load generator")
         os.sched_setaffinity(0, set(engine_cpus))  # the engines' processes (spawned) inherit both
         os.environ["OMP_NUM_THREADS"] = str(len(engine_cpus))
         torch.set_num_threads(len(engine_cpus))
@@ -270,11 +297,16 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
         f"native + DSpark ({head})": lambda: native_system(config, True, prompts, max_tokens),
         "transformers generate": lambda: transformers_system(config, prompts, max_tokens, eos),
     }
+    checkpoint = work / "peers-partial.json"
+    if not resume:
+        checkpoint.unlink(missing_ok=True)
+    key = {"config": str(config_path), "sets": sets, "per_set": per_set, "max_tokens": max_tokens, "dtype": dtype,
+           "engine_cpus": engine_cpus, "machine": machine()}
     rows = []
     for name, fn in systems.items():
         if only is not None and name != "vLLM plain" and not any(o in name for o in only):
             continue
-        results = fn()
+        results = _checkpointed(checkpoint, key, name, fn)
         for label in TEMPERATURES:
             spec = results.get(label + " spec")
             for mode, (outputs, seconds) in results[label].items():
@@ -294,13 +326,14 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
         del r["outputs"]
     served = None
     if only is None or "served" in only:
-        served = served_vllm(config_path, dtype, texts, prompts, max_tokens, work, engine_cpus)
+        served = served_vllm(config_path, dtype, texts, prompts, max_tokens, work, served_engine_cpus)
         offline = next(r for r in rows if r["system"] == "vLLM plain" and r["mode"] == "batch 1"
                        and r["temperature"] == "greedy")
         served["vs_offline_vllm_batch_1"] = served["tok_s"] / offline["tok_s"]
         served["vs_offline_beside"] = served["tok_s"] / served["offline_beside_tok_s"]
     return {"machine": machine(), "dtype": dtype, "sets": sets, "per_set": per_set, "prompts": len(prompts),
-            "max_tokens": max_tokens, "engine_cpus": engine_cpus, "rows": rows, "served_vllm": served}
+            "max_tokens": max_tokens, "engine_cpus": engine_cpus, "served_engine_cpus": served_engine_cpus,
+            "rows": rows, "served_vllm": served}
 
 
 def table(report: dict) -> str:
@@ -318,13 +351,15 @@ def table(report: dict) -> str:
     s = report["served_vllm"]
     if s is None:
         return "\n".join(lines)
+    cores = report.get("served_engine_cpus")
+    twin = f" (its engine on the served engine's cores {cores}, one thread each)" if cores else ""
     lines += ["", "| served vLLM path (serve run, OpenAI API streaming, concurrency 1, greedy) | tok/s "
               "| served / that |",
               "|---|---:|---:|",
-              f"| served | {s['tok_s']:.1f} | |",
+              f"| served{' (runtime.engine_cpus: ' + str(cores) + ')' if cores else ''} | {s['tok_s']:.1f} | |",
               f"| offline vLLM, batch 1 (above) | {s['tok_s'] / s['vs_offline_vllm_batch_1']:.1f} | "
               f"{s['vs_offline_vllm_batch_1']:.2f}x |",
-              f"| offline vLLM, batch 1, with the served app idle beside it | {s['offline_beside_tok_s']:.1f} | "
+              f"| offline vLLM, batch 1, with the served app idle beside it{twin} | {s['offline_beside_tok_s']:.1f} | "
               f"{s['vs_offline_beside']:.2f}x |", "",
               f"Errors in the served run: {sum(s['errors'].values())}."]
     return "\n".join(lines)
@@ -366,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-cpus", default=None, help="comma-separated cores every engine computes on, one "
                                                              "thread each (runtime.engine_cpus for the served one, "
                                                              "its serve run on the other cores); default: all")
+    parser.add_argument("--served-engine-cpus", default=None, help="comma-separated cores for the served path's "
+                        "engine only (runtime.engine_cpus) and its offline twin; the other rows on all cores")
+    parser.add_argument("--resume", action="store_true", help="read back the systems an interrupted run with the "
+                        "same settings finished on this machine (WORK/peers-partial.json)")
     parser.add_argument("--only", default=None, help="comma-separated parts of system names to run (vLLM plain "
                                                      "always runs; 'served' for the served path); default: all")
     args = parser.parse_args(argv)
@@ -373,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     report = run(Path(args.config), args.sets.split(","), args.per_set, args.max_tokens, args.dtype, work,
                  args.only.split(",") if args.only else None,
-                 [int(c) for c in args.engine_cpus.split(",")] if args.engine_cpus else None)
+                 [int(c) for c in args.engine_cpus.split(",")] if args.engine_cpus else None,
+                 [int(c) for c in args.served_engine_cpus.split(",")] if args.served_engine_cpus else None,
+                 args.resume)
     report["markdown"] = table(report)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     plot(report, Path(args.plot))
