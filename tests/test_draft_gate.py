@@ -65,6 +65,33 @@ def test_backoff_doubles_while_drafts_do_not_pay_and_resets_when_they_do():
     assert state.accepted >= 0.8 and all(gate.wants_draft(state) for _ in range(3))
 
 
+def test_greedy_rows_probe_on_the_same_rounds_and_share_a_draft_pass():
+    # two greedy rows that never accept a token, the second joining three rounds later: their waits double to the
+    # cap (4) and, kept on the engine's clock, their probes fall on the same rounds (multiples of 4), one draft
+    # pass for both; on their own counters (sampled rows) they stay three rounds apart
+    gate = DraftGate(0.8, DraftGateConfig(smoothing=0.5, initial_accepted=1.0, max_backoff=4))
+
+    def probes(aligned: bool) -> list[set[int]]:
+        states = {0: gate.new_state()}
+        rounds: list[set[int]] = [set(), set()]
+        for clock in range(40):
+            if clock == 3:
+                states[1] = gate.new_state()
+            for row, state in states.items():
+                if gate.wants_draft(state, clock=DraftGate.clock_of(clock, greedy=aligned)):
+                    rounds[row].add(clock)
+                    gate.record(state, 0)
+        return rounds
+
+    first, second = probes(aligned=True)
+    assert sorted(first)[:5] == [0, 1, 2, 4, 8] and {c for c in first if c >= 8} == set(range(8, 40, 4))
+    assert {c for c in second if c >= 8} == {c for c in first if c >= 8}  # in step from round 8 on
+    apart = probes(aligned=False)
+    assert {c for c in apart[0] if c >= 8}.isdisjoint({c for c in apart[1] if c >= 8})
+    assert len(first | second) < len(apart[0] | apart[1])  # fewer rounds with a draft pass
+    assert DraftGate.clock_of(7, greedy=False) is None
+
+
 def test_bad_gate_settings_name_the_field():
     with pytest.raises(ConfigError, match="draft_gate.smoothing"):
         DraftGateConfig(smoothing=0)

@@ -13,7 +13,11 @@ batch.
 The gate keeps, per request, an exponential moving average of the draft tokens accepted in its
 drafted rounds. Below break-even the request decodes plainly and probes again after 2, 4, 8 ...
 (at most ``max_backoff``) plain rounds, so a request whose text becomes predictable (a code
-block, a list, a quotation) gets its drafts back.
+block, a list, a quotation) gets its drafts back. Greedy rows probe in step: a row waiting
+``w`` rounds (a power of two) probes on the rounds of the engine's clock that are multiples of
+``w``, so the probes of a batch's held-back rows fall on the same rounds and share one draft
+pass (eight rows drafting together cost about 2.4 times one row on a CPU, not 8 times). A
+sampled row counts its own rounds, so its draws do not depend on when it joined the batch.
 
 The decision depends only on rounds already verified, never on the tokens being decided, so
 it changes how fast a request is decoded and never what is decoded (greedy output stays the
@@ -53,6 +57,7 @@ class GateState:
     accepted: float
     wait: int = 0  # plain rounds left before the next probe
     backoff: int = 1  # the next wait, doubled after every probe that stays below break-even
+    period: int = 1  # the current wait: a greedy row probes on the clock's multiples of it
 
 
 class DraftGate:
@@ -87,6 +92,13 @@ class DraftGate:
         batch."""
         return rows if greedy else 1
 
+    @staticmethod
+    def clock_of(clock: int, greedy: bool) -> int | None:
+        """The clock a request's probes keep: the engine's round count for a greedy row (held-back rows of a batch
+        probe on the same rounds and share one draft pass), none for a sampled row (its own rounds: whether it
+        drafts, and with it its draws, must not depend on when it joined the batch)."""
+        return clock if greedy else None
+
     def at(self, rows: int) -> float:
         """The break-even of a round with ``rows`` requests decoding together."""
         if rows <= 1 or self._by_rows is None:
@@ -98,10 +110,13 @@ class DraftGate:
     def new_state(self) -> GateState:
         return GateState(self.config.initial_accepted)
 
-    def wants_draft(self, state: GateState, rows: int = 1) -> bool:
-        """Whether the request drafts this round (call once per round), in a round of ``rows`` requests."""
+    def wants_draft(self, state: GateState, rows: int = 1, clock: int | None = None) -> bool:
+        """Whether the request drafts this round (call once per round), in a round of ``rows`` requests;
+        ``clock``: the engine's round count, for probes on its multiples of the request's wait (``clock_of``)."""
         if state.accepted >= self.at(rows):
             return True
+        if clock is not None:
+            return clock % state.period == 0
         if state.wait > 0:
             state.wait -= 1
             return False
@@ -113,7 +128,7 @@ class DraftGate:
         alpha = self.config.smoothing
         state.accepted = (1 - alpha) * state.accepted + alpha * accepted
         if state.accepted >= self.at(rows):
-            state.backoff, state.wait = 1, 0
+            state.backoff, state.wait, state.period = 1, 0, 1
         else:
-            state.wait = state.backoff
+            state.wait = state.period = state.backoff
             state.backoff = min(2 * state.backoff, self.config.max_backoff)

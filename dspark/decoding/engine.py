@@ -209,7 +209,8 @@ class Engine:
         drafting = []
         for request in requests:  # greedy rows: the bar of a round of len(requests) decoding together
             batch = DraftGate.batch_of(len(requests), request.params.greedy)
-            if request.gate is None or self.gate.wants_draft(request.gate, batch):
+            clock = DraftGate.clock_of(self.num_steps, request.params.greedy)
+            if request.gate is None or self.gate.wants_draft(request.gate, batch, clock):
                 drafting.append(request)
             else:
                 request.metrics.draft_skips += 1

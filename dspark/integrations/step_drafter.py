@@ -262,7 +262,8 @@ class StepDrafter:
                 continue
             if not rows.params[i].speculate:
                 continue
-            if seq.gate is not None and not self.gate.wants_draft(seq.gate, batch):
+            clock = DraftGate.clock_of(self.stats.steps, rows.params[i].greedy)
+            if seq.gate is not None and not self.gate.wants_draft(seq.gate, batch, clock):
                 self.stats.gate_skips += 1
                 continue
             drafting.append(i)
