@@ -72,14 +72,19 @@ def _timed(name: str, prompts: list[list[int]], one, batch) -> dict:
     return rows
 
 
+def _pin(cpus: list[int]) -> None:
+    """This process (and the processes and OpenMP threads it starts later) on ``cpus``, one thread each."""
+    os.sched_setaffinity(0, set(cpus))
+    os.environ["OMP_NUM_THREADS"] = str(len(cpus))
+    torch.set_num_threads(len(cpus))
+
+
 # ------------------------------------------------------------------------------------------------ vLLM (own process)
 def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[list[int]], max_tokens: int,
                  greedy_batch_1_only: bool, queue, drafter: str = "colocated", cpus: list[int] | None = None) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if cpus:  # before vLLM and its OpenMP threads start: they inherit the cores and the thread count
-        os.sched_setaffinity(0, set(cpus))
-        os.environ["OMP_NUM_THREADS"] = str(len(cpus))
-        torch.set_num_threads(len(cpus))
+        _pin(cpus)
     from vllm import LLM
     from vllm import SamplingParams as VllmParams
     from vllm.inputs import TokensPrompt
@@ -272,9 +277,7 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
     if served_engine_cpus and not set(range(os.cpu_count() or 1)) - set(served_engine_cpus):
         raise SystemExit("--engine-cpus / --served-engine-cpus must leave a core for serve run and the load generator")
     if engine_cpus:
-        os.sched_setaffinity(0, set(engine_cpus))  # the engines' processes (spawned) inherit both
-        os.environ["OMP_NUM_THREADS"] = str(len(engine_cpus))
-        torch.set_num_threads(len(engine_cpus))
+        _pin(engine_cpus)  # the engines' processes (spawned) inherit both
     config = load_engine_config(config_path)
     if "DSPARK_CACHE" in config.target.path:
         prepare_target()
