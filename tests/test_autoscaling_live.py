@@ -1,22 +1,27 @@
-"""Live autoscaling on a local cluster: lower acceptance at the same offered load adds a replica;
-acceptance recovering at that load removes it again.
+"""Live autoscaling on a local cluster, on the vLLM backend (the engine the embedded default serves on): lower
+acceptance at the same offered load adds a replica; acceptance recovering at that load removes it again.
+
+vLLM drafts by prompt lookup here (``engine.vllm_speculation: ngram``): the policy's acceptance length and the
+replica's ``dspark:spec_decode_*`` counters come from vLLM's engine (its per-request outputs and its
+``SpecDecodingStats``). The prompt is a repeating list of colours: greedy, the target continues the cycle and
+prompt lookup drafts it (measured: acceptance 6.7, 430 tokens/s at batch 2); at temperature 1.5 the continuation is
+noise that nothing in the context predicts (no drafts, 114 tokens/s).
 
 The offered load derives from the replica's capacity as the policy itself models it
-(``deploy.autoscaling.ReplicaStats.capacity``: acceptance length x batch slots / step time), measured
-on this machine by a short greedy run at half the batch (the occupancy the load then keeps). An
-open-loop client offers half of it (a counting prompt, 48 tokens a request): the policy wants
-ceil(0.5 / 0.8) = 1 replica. At temperature 1.5 the drafter's proposals are accepted far less often
-(measured on one machine: acceptance 2.7 -> 1.25, steps 59 -> 115-165 ms, the capacity down to a fifth
-to a third), the offered load exceeds the target utilisation of one replica, the queue grows, and the
-policy asks for a second replica. Back at temperature 0, once the slow requests have drained, one
-replica suffices again and Serve removes the other after ``downscale_delay_s`` (20 s here) of that
-decision.
+(``deploy.autoscaling.ReplicaStats.capacity``: acceptance length x batch slots / step time), measured on this
+machine by a short greedy run at half the batch (the occupancy the load then keeps). An open-loop client offers half
+of it (48 tokens a request): the policy wants ceil(0.5 / 0.8) = 1 replica. At temperature 1.5 the capacity falls,
+the offered load exceeds the target utilisation of one replica, the queue grows, and the policy asks for a second
+replica. Back at temperature 0, once the slow requests have drained, one replica suffices again and Serve removes
+the other after ``downscale_delay_s`` (20 s here) of that decision.
 
-The same on the vLLM backend, where vLLM drafts by prompt lookup (``engine.vllm_speculation: ngram``) and the
-policy's acceptance length and the replica's ``dspark:spec_decode_*`` counters come from vLLM's engine (its
-per-request outputs and its ``SpecDecodingStats``). There the prompt is a repeating list of colours: greedy, the
-target continues the cycle and prompt lookup drafts it (measured: acceptance 6.7, 430 tokens/s at batch 2); at
-temperature 1.5 the continuation is noise that nothing in the context predicts (no drafts, 114 tokens/s).
+Why not the native engine as well (it ran here until 2026-12-03): two replicas on one 2-core node share its cores,
+so each replica's measured step time, and with it the capacity the policy sees, depends on how many replicas there
+are. With the native engine (three processes per replica, bf16 emulated on CPUs without native bf16) a step took
+0.42 s with one replica and 1.47 s with two (AMD EPYC, AVX2): two contended replicas then look too slow to hand
+the load back to one, and the test measured the node, not the policy. The policy reads the same five statistics
+from either engine (``tests/test_autoscaling.py`` covers it on both engines' inputs); on a cluster each replica
+has its own devices.
 """
 from __future__ import annotations
 
@@ -44,14 +49,12 @@ def replicas() -> int:
     return status.replica_states.get("RUNNING", 0)
 
 
-PROMPTS = {"native": "Count from 1 to 200: 1, 2, 3, 4, 5,", "vllm": "red green blue yellow purple orange " * 6}
-ENGINES = {"native": {"scheduler": "full", "max_num_seqs": SLOTS, "draft_gate": False},  # drafts whatever τ
-           "vllm": {"backend": "vllm", "vllm_speculation": "ngram", "max_num_seqs": SLOTS}}
-PROMPT = [PROMPTS["native"]]  # the running test's prompt
+PROMPT = "red green blue yellow purple orange " * 6
+ENGINE = {"backend": "vllm", "vllm_speculation": "ngram", "max_num_seqs": SLOTS}
 
 
 def complete(temperature: float) -> int | None:
-    body = {"model": "smollm2-135m-instruct", "prompt": PROMPT[0],
+    body = {"model": "smollm2-135m-instruct", "prompt": PROMPT,
             "max_tokens": MAX_TOKENS, "temperature": temperature, "top_p": 1.0}
     try:
         return requests.post(f"{HTTP}/v1/completions", json=body, timeout=300).status_code
@@ -109,14 +112,12 @@ def scaled_to(count: int, timeout_s: float, what: str) -> None:
     print(f"{what}: {time.monotonic() - start:.0f} s", flush=True)
 
 
-@pytest.mark.parametrize("backend", ["native", "vllm"])
-def test_degraded_acceptance_adds_a_replica_and_recovered_acceptance_removes_it(serve_instance, tmp_path, backend):
-    PROMPT[0] = PROMPTS[backend]
+def test_degraded_acceptance_adds_a_replica_and_recovered_acceptance_removes_it(serve_instance, tmp_path):
     autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_utilisation": 0.8, "hysteresis": 0.1,
                    "drain_horizon_s": 10, "downscale_cycles": 3, "metrics_interval_s": 1, "look_back_period_s": 5,
                    "upscale_delay_s": 2, "downscale_delay_s": 20}
     with deploy_app(tmp_path,
-                    engine=ENGINES[backend],
+                    engine=ENGINE,
                     runtime={"shard_cpus": 0.3, "drafter_cpus": 0.3, "shard_threads": 1, "drafter_threads": 1},
                     serving={"load_aware_speculation": False, "router_cpus": 0.3, "max_queued_requests": 64,
                              "autoscaling": autoscaling}):
@@ -125,7 +126,7 @@ def test_degraded_acceptance_adds_a_replica_and_recovered_acceptance_removes_it(
         accepted = sum(s.value for f in text_string_to_metric_families(requests.get(f"{HTTP}/metrics", timeout=30).text)
                        for s in f.samples if s.name == "dspark:spec_decode_num_accepted_tokens_total")
         assert accepted > 0, "the replica's drafts were verified (on vLLM: its SpecDecodingStats)"
-        assert get_health()["dtypes"]["target"].get("backend", "native") == backend
+        assert get_health()["dtypes"]["target"].get("backend") == "vllm"
         load = OpenLoop(rate=LOAD * capacity / MAX_TOKENS)
         print(f"offering {LOAD * capacity:.1f} tokens/s", flush=True)
         try:

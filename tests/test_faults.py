@@ -24,7 +24,10 @@ from conftest import GRPC, HTTP, benchmark_prompts, deploy_app, get_health, wait
 
 pytestmark = pytest.mark.slow
 MAX_CONCURRENT, MAX_QUEUED = 4, 2
-HUNG_DEADLINE_S = 10.0  # runtime.target_timeout_s: a target pass slower than this is a hung shard
+# runtime.target_timeout_s: a target pass slower than this is a hung shard. It must clear the slowest honest pass of
+# this module (prefilling 4 chat prompts at once, bf16): at 10 s that pass missed it on a 2-core AMD EPYC without
+# native bf16 (emulated) during the full suite, and the replica restarted its healthy shards.
+HUNG_DEADLINE_S = 30.0
 
 
 @pytest.fixture(scope="module")

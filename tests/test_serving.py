@@ -123,6 +123,22 @@ def test_prometheus_counters_match_dspark_bench(served, engine):
              until=lambda exported: any(series == wanted for series in exported.values()), interval_s=2)
 
 
+def test_the_replica_reports_what_the_autoscaling_policy_reads(served):
+    """The native replica feeds the acceptance-length policy (``deploy.autoscaling``) its five statistics from the
+    requests it served (the live autoscaling test runs on the vLLM backend)."""
+    from deploy.autoscaling import METRICS, ReplicaStats
+
+    for text in prompts(2):
+        response = requests.post(f"{HTTP}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                                 json={"model": MODEL, "messages": [{"role": "user", "content": text}],
+                                       "max_tokens": 32, "temperature": 0}, timeout=120)
+        assert response.status_code == 200
+    stats = ReplicaStats(*(float(get_health()["autoscaling"][m]) for m in METRICS))
+    assert stats.acceptance_length > 1.0, stats  # full blocks every round: drafts were accepted
+    assert stats.batch_slots == MAX_CONCURRENT and stats.step_seconds > 0 and stats.token_rate > 0, stats
+    assert stats.capacity > stats.token_rate, stats  # a full batch outruns one request at a time
+
+
 def ray_exported(model: str) -> dict[str, dict[str, float]]:
     """Per Ray worker: the ray_dspark_spec_decode_num_*_total series of ``model`` from the node's metrics agent."""
     from prometheus_client.parser import text_string_to_metric_families
