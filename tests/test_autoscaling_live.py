@@ -20,8 +20,8 @@ so each replica's measured step time, and with it the capacity the policy sees, 
 are. With the native engine (three processes per replica, bf16 emulated on CPUs without native bf16) a step took
 0.42 s with one replica and 1.47 s with two (AMD EPYC, AVX2): two contended replicas then look too slow to hand
 the load back to one, and the test measured the node, not the policy. The policy reads the same five statistics
-from either engine (``tests/test_autoscaling.py`` covers it on both engines' inputs); on a cluster each replica
-has its own devices.
+from either engine (the native replica's feed: ``tests/test_serving.py``; the policy on synthetic inputs:
+``tests/test_autoscaling.py``); on a cluster each replica has its own devices.
 """
 from __future__ import annotations
 
