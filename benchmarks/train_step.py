@@ -3,13 +3,16 @@
 The same target (the embedded default's SmolLM2-135M-Instruct), the same target cache and the same batches go
 through ``dspark.training.trainer.train`` (the recipe's own loop: forward, loss, backward, optimiser step) once per
 draft vocabulary, a reduced one twice: the target's LM head and softmax over the whole vocabulary, then over the
-draft's tokens only (with the log-sum-exp the cache keeps per position), and the last one a third time with the draft's
-forward under bf16 autocast. The figure is block positions trained per
-second (anchors x block size per step, over the steps' wall time). The cache holds the target's states over text of
-the Python standard library (throughput does not depend on what the text says; nothing trained here is kept).
+draft's tokens only (with the log-sum-exp the cache keeps per position). The last one runs a third time with the
+draft's forward under bf16 autocast (only on a CPU with native bf16: emulated, a step took 19x longer), and with
+``--compile`` once more with the draft's block pass through ``torch.compile`` (``train.compile``). The figure is
+block positions trained per second (anchors x block size per step) over the steps after the first ``--warm-steps``
+(whose time, compilation included, is its own column).
+The cache holds the target's states over text of the Python standard library (throughput does not depend on what the
+text says; nothing trained here is kept).
 
-    python -m benchmarks.train_step [--vocab 0,16384,8192] [--shapes 4x16,4x64] [--steps 20] [--sequences 48]
-        [--out train_step.json] [--plot train_step.png]
+    python -m benchmarks.train_step [--vocab 0,16384,8192] [--shapes 4x16,4x64] [--compile] [--steps 30]
+        [--warm-steps 10] [--sequences 48] [--out train_step.json] [--plot train_step.png]
 
 ``--shapes`` adds rows for the last (reduced) vocabulary at larger batches: sequences x anchors per sequence per
 step (``train.seqs_per_step`` x ``train.anchors_per_seq``; the recipe's default is 4x16). A step is mostly fixed
@@ -30,6 +33,7 @@ import torch
 
 from benchmarks.report import machine
 from dspark.config import DecoderConfig, DraftConfig
+from dspark.dtype_choice import choose_dtype
 from dspark.formats.target_checkpoint import load_target
 from dspark.loader import load_tokenizer
 from dspark.model.draft_model import DSparkDraft
@@ -76,56 +80,77 @@ def make_draft(target, vocab_size: int, cache) -> tuple[DSparkDraft, dict | None
 
 
 def run(vocab_sizes: list[int], steps: int, sequences: int, work: Path,
-        shapes: tuple[tuple[int, int], ...] = ()) -> dict:
+        shapes: tuple[tuple[int, int], ...] = (), compile_row: bool = False, warm_steps: int = 10) -> dict:
     target_dir = prepare_target()
     target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
     cache_dir = work / "cache"
     build_target_cache(target, text_rows(tokenizer, sequences), LAYERS, cache_dir)
     cache = load_target_cache(cache_dir)
-    cfg = TrainConfig(steps=steps, seqs_per_step=4, anchors_per_seq=16, warmup=5, checkpoint_every=10**9,
+    if not 0 < warm_steps < steps:
+        raise SystemExit(f"--warm-steps {warm_steps}: must be between 1 and --steps {steps} - 1")
+    # the checkpoint after the warm-up steps logs a line: the clock for the steady steps starts there
+    cfg = TrainConfig(steps=steps, seqs_per_step=4, anchors_per_seq=16, warmup=5, checkpoint_every=warm_steps,
                       heldout_fraction=0.05)
     rows = []
     # a reduced vocabulary runs twice: the target's LM head over the whole vocabulary (its softmax), then over the
     # draft's tokens alone with the cache's log-sum-exp (the recipe's default where the cache has it)
     # and the last reduced one a third time with the draft's forward under bf16 autocast (train.autocast_bf16)
     base_shape = (cfg.seqs_per_step, cfg.anchors_per_seq)
-    variants = [(v, head, False, base_shape) for v in vocab_sizes
+    variants = [(v, head, False, False, base_shape) for v in vocab_sizes
                 for head in (("full",) if not v else ("full", "draft"))]
     if vocab_sizes[-1]:
-        variants.append((vocab_sizes[-1], "draft", True, base_shape))
-        variants += [(vocab_sizes[-1], "draft", False, shape) for shape in shapes if shape != base_shape]
-    for size, target_head, autocast, (seqs, anchors) in variants:
+        native_bf16 = choose_dtype()
+        if native_bf16.dtype == "bfloat16":
+            variants.append((vocab_sizes[-1], "draft", True, False, base_shape))
+        else:  # emulated bf16 measured 19x slower a step than fp32 on a 2-core AVX2 EPYC: nothing to learn
+            print(f"[train_step] no bf16 autocast row: {native_bf16.reason}", flush=True)
+        if compile_row:
+            variants.append((vocab_sizes[-1], "draft", False, True, base_shape))
+        variants += [(vocab_sizes[-1], "draft", False, False, shape) for shape in shapes if shape != base_shape]
+    for size, target_head, autocast, compiled, (seqs, anchors) in variants:
         draft, vocabulary = make_draft(target, size, cache)
-        run_cfg = replace(cfg, autocast_bf16=autocast, seqs_per_step=seqs, anchors_per_seq=anchors)
+        run_cfg = replace(cfg, autocast_bf16=autocast, compile=compiled, seqs_per_step=seqs, anchors_per_seq=anchors)
+        clock = {}
         start = time.perf_counter()
         summary = train(draft, target, cache if target_head == "draft" else replace(cache, logsumexp=None), run_cfg,
-                        work / f"train-{size}-{target_head}-{autocast}-{seqs}x{anchors}", log=lambda line: None)
-        seconds = time.perf_counter() - start
-        positions = summary["steps"] * seqs * anchors * draft.config.block_size
+                        work / f"train-{size}-{target_head}-{autocast}-{compiled}-{seqs}x{anchors}",
+                        log=lambda line, clock=clock: clock.setdefault("warm", time.perf_counter()))
+        end = time.perf_counter()
+        steady = summary["steps"] - warm_steps
+        positions = steady * seqs * anchors * draft.config.block_size
         rows.append({"draft_vocab": size or target.config.vocab_size, "reduced": bool(vocabulary),
                      "target_head": target.config.vocab_size if target_head == "full" else size,
                      "seqs_per_step": seqs, "anchors_per_seq": anchors,
-                     "autocast_bf16": autocast, "final_loss": summary.get("loss"),
+                     "autocast_bf16": autocast, "compiled": compiled, "final_loss": summary.get("loss"),
                      "coverage": vocabulary["coverage"] if vocabulary else 1.0, "steps": summary["steps"],
-                     "seconds_per_step": seconds / summary["steps"], "positions_per_s": positions / seconds,
+                     "warm_steps": warm_steps, "warm_seconds": clock["warm"] - start,
+                     "seconds_per_step": (end - clock["warm"]) / steady,
+                     "positions_per_s": positions / (end - clock["warm"]),
                      "trainable_parameters": sum(p.numel() for p in draft.parameters() if p.requires_grad)})
         print(f"[train_step] vocabulary {rows[-1]['draft_vocab']}, target head over {rows[-1]['target_head']}"
-              f"{', bf16 autocast' if autocast else ''}, {seqs}x{anchors}: {rows[-1]['seconds_per_step']:.3f} s/step",
-              flush=True)
+              f"{', bf16 autocast' if autocast else ''}{', compiled' if compiled else ''}, {seqs}x{anchors}: "
+              f"first {warm_steps} steps {rows[-1]['warm_seconds']:.1f} s, then {rows[-1]['seconds_per_step']:.3f} "
+              f"s/step", flush=True)
     base = rows[0]["positions_per_s"]
     for r in rows:
         r["vs_first"] = r["positions_per_s"] / base
     return {"machine": machine(), "steps": steps, "sequences": len(cache), "rows": rows}
 
 
+def draft_forward(row: dict) -> str:
+    return ("bf16 autocast" if row["autocast_bf16"] else "fp32") + (", compiled" if row.get("compiled") else "")
+
+
 def table(report: dict) -> str:
-    lines = [f"{report['steps']} steps each, 7 positions per anchor, {report['machine']}", "",
+    warm = report["rows"][0]["warm_steps"]
+    lines = [f"{report['steps']} steps each, the first {warm} timed apart (compilation, allocator warm-up); "
+             f"7 positions per anchor; {report['machine']}", "",
              "| draft vocabulary | target LM head over | draft forward | sequences x anchors per step | response "
-             "coverage | s/step | positions trained/s | vs first | trainable params |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+             f"coverage | first {warm} steps (s) | s/step after | positions trained/s | vs first | trainable params |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
-        lines.append(f"| {r['draft_vocab']} | {r['target_head']} | {'bf16 autocast' if r['autocast_bf16'] else 'fp32'} "
-                     f"| {r['seqs_per_step']}x{r['anchors_per_seq']} | {r['coverage']:.4f} "
+        lines.append(f"| {r['draft_vocab']} | {r['target_head']} | {draft_forward(r)} "
+                     f"| {r['seqs_per_step']}x{r['anchors_per_seq']} | {r['coverage']:.4f} | {r['warm_seconds']:.1f} "
                      f"| {r['seconds_per_step']:.3f} | "
                      f"{r['positions_per_s']:.0f} | {r['vs_first']:.2f}x | {r['trainable_parameters'] / 1e6:.1f}M |")
     return "\n".join(lines)
@@ -140,7 +165,8 @@ def plot(report: dict, path: Path) -> None:
     rows = report["rows"]
     fig, ax = plt.subplots(figsize=(6, 3))
     ax.barh([f"{r['draft_vocab']} / {r['target_head']}{' / bf16' if r['autocast_bf16'] else ''}"
-             f" / {r['seqs_per_step']}x{r['anchors_per_seq']}" for r in rows],
+             f"{' / compiled' if r.get('compiled') else ''} / {r['seqs_per_step']}x{r['anchors_per_seq']}"
+             for r in rows],
             [r["positions_per_s"] for r in rows])
     ax.set_xlabel("block positions trained per second")
     ax.set_ylabel("draft vocabulary / target head / batch")
@@ -154,14 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", default="0,16384,8192", help="draft vocabularies (0: the target's whole one)")
     parser.add_argument("--shapes", default="", help="comma-separated SEQSxANCHORS batches for the last vocabulary")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--compile", action="store_true",
+                        help="one more row: the last vocabulary with the draft's block pass through torch.compile")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warm-steps", type=int, default=10, help="first steps of each row, timed apart")
     parser.add_argument("--sequences", type=int, default=48)
     parser.add_argument("--out", default="train_step.json")
     parser.add_argument("--plot", default="train_step.png")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         shapes = tuple(tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",") if shape)
-        report = run([int(v) for v in args.vocab.split(",")], args.steps, args.sequences, Path(tmp), shapes)
+        report = run([int(v) for v in args.vocab.split(",")], args.steps, args.sequences, Path(tmp), shapes,
+                     args.compile, args.warm_steps)
     report["markdown"] = table(report)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     plot(report, Path(args.plot))

@@ -362,3 +362,41 @@ def test_the_learning_curve_fit_recovers_a_power_law(tmp_path):
     assert summary["dspark"]["hours_for_goal_here"] == pytest.approx(need * 0.5 / 64 / 3600)
     plot({"dspark": points}, summary, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_compiled_block_pass_trains_the_head_the_eager_one_trains(tmp_path, tiny_target):
+    """``train.compile``: the draft's block pass through torch.compile trains the same head as eager code (same start,
+    same batches, same steps) and leaves the draft as it found it (the class's own method, the same state-dict keys),
+    so evaluation and export after training run eager."""
+    from dataclasses import replace
+
+    from dspark.model.draft_model import DSparkDraft
+    from dspark.testing import tiny_draft_config
+    from dspark.training.target_cache import build_target_cache, load_target_cache
+    from dspark.training.trainer import TrainConfig, train
+
+    draft_cfg = tiny_draft_config(tiny_target.config)
+    rows = [{"prompt_ids": [5 + i, 6, 7], "response_ids": list(range(20 + i, 50 + 3 * i))} for i in range(8)]
+    build_target_cache(tiny_target, rows, draft_cfg.target_layer_ids, tmp_path / "cache")
+    cache = load_target_cache(tmp_path / "cache")
+    cfg = TrainConfig(steps=4, seqs_per_step=2, anchors_per_seq=4, warmup=1, checkpoint_every=100,
+                      heldout_fraction=0.25)
+    runs = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        draft = DSparkDraft(draft_cfg)
+        draft.bind_target(tiny_target.embed_tokens, tiny_target.lm_head)
+        start = {key: value.clone() for key, value in draft.state_dict().items()}
+        torch._dynamo.utils.counters.clear()
+        summary = train(draft, tiny_target, cache, replace(cfg, compile=compiled), tmp_path / f"run-{compiled}",
+                        log=lambda line: None)
+        assert "backbone" not in vars(draft)  # the eager method again
+        assert bool(torch._dynamo.utils.counters["stats"]["unique_graphs"]) == compiled  # compiled graphs ran
+        runs[compiled] = summary, draft.state_dict()
+    (eager, eager_state), (fast, fast_state) = runs[False], runs[True]
+    assert eager["steps"] == fast["steps"] == 4
+    assert fast_state.keys() == eager_state.keys()
+    assert abs(fast["loss"] - eager["loss"]) < 1e-4 * max(1.0, abs(eager["loss"]))
+    assert any(not torch.equal(value, start[key]) for key, value in eager_state.items())  # it did train
+    for key, value in eager_state.items():
+        assert torch.allclose(fast_state[key].float(), value.float(), atol=1e-4), key

@@ -96,6 +96,10 @@ class TrainSpec(_Strict):
     autocast_bf16: bool = Field(False, description="Run the draft's forward pass under bf16 autocast (fast on CPUs "
                                                    "with native bf16 and on GPUs; the target's distributions and the "
                                                    "loss stay fp32).")
+    compile: bool = Field(False, description="Run the draft's block pass through torch.compile (dynamic shapes). "
+                                             "benchmarks/train_step.py --compile measures it: on a 2-core AVX2 CPU "
+                                             "a step after warm-up took 0.73 s against 0.66 s eager; a GPU, where "
+                                             "the step is launch-bound, is where it may pay.")
     eval_every: int = Field(0, ge=0, description="Every this many steps, the held-out expected acceptance length "
                                                  "and per-position acceptances go to curve.jsonl in the run's "
                                                  "folder (the learning curve; 0: never).")
@@ -177,7 +181,8 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
         tcfg = TrainConfig(steps=cfg.train.steps, seqs_per_step=cfg.train.seqs_per_step,
                            anchors_per_seq=cfg.train.anchors_per_seq, lr=cfg.train.lr, warmup=cfg.train.warmup,
                            time_budget_s=cfg.train.time_budget_s, eval_every=cfg.train.eval_every,
-                           eval_sequences=cfg.train.eval_sequences, autocast_bf16=cfg.train.autocast_bf16)
+                           eval_sequences=cfg.train.eval_sequences, autocast_bf16=cfg.train.autocast_bf16,
+                           compile=cfg.train.compile)
         start = load_draft(resolve(cfg.train.init_from), tc) if cfg.train.init_from else None
         vocabulary = None
         if draft_cfg.reduced_vocab:  # chosen on the training split's responses (held-out rows stay unseen)

@@ -9,6 +9,7 @@ data's previous token. The target's embedding and LM head are shared and frozen.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -42,6 +43,7 @@ class TrainConfig:
     eval_every: int = 0  # held-out tau into work_dir/curve.jsonl every this many steps (0: never), the learning curve
     eval_sequences: int = 64  # held-out sequences each curve point reads (the first of the held-out split)
     autocast_bf16: bool = False  # the draft's forward under bf16 autocast (the target's distributions stay fp32)
+    compile: bool = False  # the draft's block pass through torch.compile (dynamic shapes) while training
 
 
 def init_from_target(draft: DSparkDraft, target: TargetModel) -> None:
@@ -178,6 +180,21 @@ def in_draft_vocabulary(draft: DSparkDraft, target_probs: torch.Tensor, labels: 
     return inside, (1 - inside.sum(-1)).clamp_min(0), draft_labels(draft, labels)
 
 
+@contextlib.contextmanager
+def compiled_block_pass(draft: DSparkDraft, enabled: bool):
+    """While inside, the draft's block pass (``backbone``: its layers over block and context) runs through
+    ``torch.compile`` with dynamic shapes (context lengths differ per sequence). The compiled function is an instance
+    attribute over the class's method, so parameters, state dict and export are untouched; leaving restores eager."""
+    if not enabled:
+        yield
+        return
+    draft.backbone = torch.compile(draft.backbone, dynamic=True)
+    try:
+        yield
+    finally:
+        del draft.backbone
+
+
 def _save(draft: DSparkDraft, optimizer, step: int, path: Path, total: int) -> None:
     path.mkdir(parents=True, exist_ok=True)
     torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "total": total},
@@ -217,40 +234,45 @@ def train(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: Trai
         curve.record(draft, target, cache, step, 0.0)
     bar = tqdm(total=cfg.steps, initial=step, desc="train", mininterval=5.0, dynamic_ncols=True)
     draft.train()
-    first_step = step
-    while step < total:
-        if cfg.time_budget_s is not None and step == first_step + 20:
-            # fit the schedule to the budget: decay over the steps the remaining time allows
-            per_step = (time.time() - started) / 20
-            total = min(total, step + int((cfg.time_budget_s - (time.time() - started)) / per_step))
-            bar.total = total
-            log(f"[train] {per_step:.2f}s/step: schedule set to {total} steps for the time budget")
-        if cfg.time_budget_s is not None and time.time() - started > cfg.time_budget_s:
-            log(f"[train] time budget reached at step {step}")
-            break
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.lr * schedule(step)
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-            parts = [block_forward(draft, target, cache, s, cfg.anchors_per_seq, rng)
-                     for s in rng.sample(train_seqs, min(cfg.seqs_per_step, len(train_seqs)))]
-        parts = [p for p in parts if p is not None]
-        logits, conf, tprobs, labels, valid, outside = (torch.cat(x) for x in zip(*parts))
-        terms = dspark_loss(logits.float(), conf.float(), tprobs, labels, valid, target_outside=outside)
-        terms.total.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optimizer.step()
-        step += 1
-        metrics = {"loss": terms.total.item(), "acc1": terms.acceptance[0].item(), "tau": terms.expected_length.item()}
-        ema = metrics if ema is None else {k: 0.98 * ema[k] + 0.02 * v for k, v in metrics.items()}
-        bar.set_postfix(loss=f"{ema['loss']:.3f}", acc1=f"{ema['acc1']:.3f}", tau=f"{ema['tau']:.2f}")
-        bar.update(1)
-        if curve is not None and (step % cfg.eval_every == 0 or step == total):
-            curve.record(draft, target, cache, step, time.time() - started)
-        if step % cfg.checkpoint_every == 0 or step == total:
-            _save(draft, optimizer, step, work_dir, total)
-            log(f"[train] step {step} loss {ema['loss']:.4f} acc1 {ema['acc1']:.3f} tau~{ema['tau']:.3f} "
-                f"({time.time() - started:.0f}s)")
+    first_step, clock_at_10 = step, None
+    with compiled_block_pass(draft, cfg.compile):
+        while step < total:
+            if step == first_step + 10:
+                clock_at_10 = time.time()
+            if cfg.time_budget_s is not None and step == first_step + 20:
+                # fit the schedule to the budget: decay over the steps the remaining time allows, at the rate of
+                # steps 10-20 (the first ones compile, with train.compile, and warm the allocator)
+                per_step = (time.time() - clock_at_10) / 10
+                total = min(total, step + int((cfg.time_budget_s - (time.time() - started)) / per_step))
+                bar.total = total
+                log(f"[train] {per_step:.2f}s/step: schedule set to {total} steps for the time budget")
+            if cfg.time_budget_s is not None and time.time() - started > cfg.time_budget_s:
+                log(f"[train] time budget reached at step {step}")
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.lr * schedule(step)
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+                parts = [block_forward(draft, target, cache, s, cfg.anchors_per_seq, rng)
+                         for s in rng.sample(train_seqs, min(cfg.seqs_per_step, len(train_seqs)))]
+            parts = [p for p in parts if p is not None]
+            logits, conf, tprobs, labels, valid, outside = (torch.cat(x) for x in zip(*parts))
+            terms = dspark_loss(logits.float(), conf.float(), tprobs, labels, valid, target_outside=outside)
+            terms.total.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            optimizer.step()
+            step += 1
+            metrics = {"loss": terms.total.item(), "acc1": terms.acceptance[0].item(),
+                       "tau": terms.expected_length.item()}
+            ema = metrics if ema is None else {k: 0.98 * ema[k] + 0.02 * v for k, v in metrics.items()}
+            bar.set_postfix(loss=f"{ema['loss']:.3f}", acc1=f"{ema['acc1']:.3f}", tau=f"{ema['tau']:.2f}")
+            bar.update(1)
+            if curve is not None and (step % cfg.eval_every == 0 or step == total):
+                curve.record(draft, target, cache, step, time.time() - started)
+            if step % cfg.checkpoint_every == 0 or step == total:
+                _save(draft, optimizer, step, work_dir, total)
+                log(f"[train] step {step} loss {ema['loss']:.4f} acc1 {ema['acc1']:.3f} tau~{ema['tau']:.3f} "
+                    f"({time.time() - started:.0f}s)")
     bar.close()
     _save(draft, optimizer, step, work_dir, total)
     draft.eval()
