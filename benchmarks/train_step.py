@@ -94,7 +94,8 @@ def run(vocab_sizes: list[int], steps: int, sequences: int, work: Path,
     rows = []
     # a reduced vocabulary runs twice: the target's LM head over the whole vocabulary (its softmax), then over the
     # draft's tokens alone with the cache's log-sum-exp (the recipe's default where the cache has it)
-    # and the last reduced one a third time with the draft's forward under bf16 autocast (train.autocast_bf16)
+    # and the last reduced one a third time with the draft's forward under bf16 autocast (train.autocast_bf16) where
+    # the CPU has native bf16, and with --compile once more with its block pass compiled (train.compile)
     base_shape = (cfg.seqs_per_step, cfg.anchors_per_seq)
     variants = [(v, head, False, False, base_shape) for v in vocab_sizes
                 for head in (("full",) if not v else ("full", "draft"))]
@@ -163,14 +164,14 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = report["rows"]
-    fig, ax = plt.subplots(figsize=(6, 3))
-    ax.barh([f"{r['draft_vocab']} / {r['target_head']}{' / bf16' if r['autocast_bf16'] else ''}"
-             f"{' / compiled' if r.get('compiled') else ''} / {r['seqs_per_step']}x{r['anchors_per_seq']}"
-             for r in rows],
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh([f"{r['draft_vocab']} / {r['target_head']} / {draft_forward(r)} / "
+             f"{r['seqs_per_step']}x{r['anchors_per_seq']}" for r in rows],
             [r["positions_per_s"] for r in rows])
     ax.set_xlabel("block positions trained per second")
-    ax.set_ylabel("draft vocabulary / target head / batch")
-    ax.set_title("DSpark training throughput", fontsize=10)
+
+    ax.set_title("DSpark training throughput\n(draft vocabulary / target head over / draft forward / batch)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
