@@ -283,3 +283,19 @@ def assert_vllm_reads_as_we_do(config_file: Path) -> dict:
     ours, theirs = our_draft_view(draft_config_from_json(data)), vllm_draft_view(data)
     assert theirs == ours, f"{config_file}: vLLM {theirs} != ours {ours}"
     return ours
+
+
+@pytest.fixture(scope="session")
+def plain_vllm_fp32(tmp_path_factory) -> dict:
+    """Plain vLLM's fp32 greedy replies to the 40 shared chat prompts, one request at a time, with the embedded
+    default's engine settings (``vllm_runs.fp32_vllm_config``, speculation off): the reference of both vLLM test
+    modules (vLLM + our proposer against it; the native engine against it), run once per session."""
+    from dspark.integrations.vllm_compat import engine_arguments
+
+    from vllm_runs import GREEDY, fp32_vllm_config, shared_prompts, vllm_generate, with_speculation
+
+    prepare_target()
+    config = with_speculation(fp32_vllm_config(), "off")
+    prompts = shared_prompts(load_tokenizer(config.resolve(config.target.path)))
+    run = vllm_generate(engine_arguments(config), prompts, [GREEDY], tmp_path_factory.mktemp("plain-vllm-fp32"))[0]
+    return {"prompts": prompts, "outputs": run["outputs"], "spec": run["spec"]}

