@@ -24,7 +24,7 @@ from dspark.training.recipe import TrainFileConfig, run_recipe
 from dspark.training.trainer import in_draft_vocabulary
 from dspark.training.vocabulary import choose_vocabulary, install_vocabulary, vocabulary_of
 
-from conftest import assert_vllm_reads_as_we_do, stdlib_texts
+from conftest import REPO, assert_vllm_reads_as_we_do, stdlib_texts
 
 
 def speculative_run(target, tok, draft, params: SamplingParams) -> list:
@@ -293,6 +293,26 @@ def test_the_cached_logsumexp_gives_the_full_softmax_over_the_draft_vocabulary(t
     assert fast[1].max() > 0.01  # the target puts mass outside the draft's tokens: the identity is not trivial
     assert torch.allclose(fast[0], full[0], atol=1e-6) and torch.allclose(fast[1], full[1], atol=1e-5)
     assert torch.equal(fast[2], full[2]) and (fast[2] == -1).any()
+
+
+def test_the_shipped_recipes_validate_and_auto_data_dtypes_are_the_machines_serving_dtype():
+    """Every configs/train-*.yaml is a valid recipe; ``auto`` in the data dtypes (the large recipe's) becomes the
+    dtype a served ``dtype: auto`` target runs in on this machine, the reason logged; concrete dtypes are kept."""
+    from dspark.dtype_choice import choose_dtype
+    from dspark.schema import read_yaml
+    from dspark.training.recipe import with_machine_dtypes
+
+    recipes = {path.name: TrainFileConfig(**read_yaml(path))
+               for path in sorted((REPO / "configs").glob("train-*.yaml"))}
+    assert len(recipes) >= 4
+    large = recipes["train-smollm2-large.yaml"]
+    assert large.data.dtype == large.data.cache_dtype == "auto"
+    logs = []
+    resolved = with_machine_dtypes(large, logs.append)
+    want = choose_dtype()
+    assert resolved.data.dtype == resolved.data.cache_dtype == want.dtype
+    assert len(logs) == 2 and all(want.reason in line for line in logs)
+    assert with_machine_dtypes(resolved, logs.append) is resolved and len(logs) == 2
 
 
 def test_recipe_with_a_reduced_vocabulary(tmp_path):

