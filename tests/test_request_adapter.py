@@ -63,6 +63,18 @@ def test_grpc_requests_take_the_http_schema(adapter):
         assert (error.status, error.param) == (status, field), error.message
 
 
+def test_the_grpc_client_without_max_tokens_gets_the_server_default(adapter):
+    """``dspark client --grpc`` with no ``--max-tokens`` leaves the field unset (it sent 0, which the server refuses
+    as it refuses max_tokens 0 over HTTP); an explicit value travels."""
+    from dspark.evaluation.client import GrpcClient
+
+    unset = GrpcClient.request("hi", chat=True)
+    assert not unset.HasField("max_tokens") and not unset.HasField("temperature")
+    prepared = asyncio.run(adapter.prepare(adapter.from_grpc(unset)))
+    assert prepared.params.max_tokens == 32 and prepared.chat  # the server default, capped by the limit
+    assert adapter.from_grpc(GrpcClient.request("hi", max_tokens=5)).new_tokens == 5
+
+
 def test_cheap_limits_act_before_tokenising(adapter, monkeypatch):
     calls = []
     monkeypatch.setattr(adapter, "_tokenize", lambda *a: calls.append(a))

@@ -103,7 +103,8 @@ class GrpcClient:
                 top_p: float | None = None, seed: int | None = None, stop: list[str] | None = None):
         from dspark.v1 import serving_pb2 as pb
 
-        return pb.GenerateRequest(prompt=prompt, chat=chat, max_tokens=max_tokens or 0, temperature=temperature,
+        # None leaves an optional field unset (the server's default); max_tokens=0 would be sent, and refused
+        return pb.GenerateRequest(prompt=prompt, chat=chat, max_tokens=max_tokens, temperature=temperature,
                                   top_p=top_p, seed=seed, stop=stop or [])
 
     def _call(self, fn, request):
