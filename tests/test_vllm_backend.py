@@ -28,6 +28,7 @@ from vllm_runs import (
     MAX_TOKENS,
     PROMPTS,
     fp32_vllm_config,
+    in_dtype,
     shared_prompts,
     shared_texts,
     vllm_generate,
@@ -64,11 +65,6 @@ def test_health_and_metrics_say_vllm(app):
     assert health["status"] == "ok"
     assert health["dtypes"]["target"]["backend"] == "vllm" and health["speculation_enabled"] is False
     assert requests.get(f"{app.http}/v1/models", timeout=30).status_code == 401  # the key is still required
-
-
-def in_dtype(config, dtype: str):
-    return config.model_copy(update={part: getattr(config, part).model_copy(update={"dtype": dtype})
-                                     for part in ("target", "draft")})
 
 
 def served(config):

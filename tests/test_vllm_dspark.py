@@ -28,7 +28,16 @@ from dspark.loader import build_engine, load_tokenizer
 from dspark.model.draft_model import DSparkDraft
 from dspark.testing import tiny_draft_config
 
-from vllm_runs import GREEDY, MAX_TOKENS, PROMPTS, fp32_vllm_config, shared_prompts, vllm_generate, with_speculation
+from vllm_runs import (
+    GREEDY,
+    MAX_TOKENS,
+    PROMPTS,
+    fp32_vllm_config,
+    in_dtype,
+    shared_prompts,
+    vllm_generate,
+    with_speculation,
+)
 
 pytestmark = pytest.mark.slow
 BF16_PROMPTS = 16
@@ -94,8 +103,7 @@ def test_bf16_greedy_parts_from_plain_vllm_only_at_near_ties(fp32_config, tmp_pa
 
     from benchmarks.near_ties import logit_gap
 
-    config = fp32_config.model_copy(update={part: getattr(fp32_config, part).model_copy(update={"dtype": "bfloat16"})
-                                            for part in ("target", "draft")})
+    config = in_dtype(fp32_config, "bfloat16")
     prompts = shared_prompts(load_tokenizer(config.resolve(config.target.path)), BF16_PROMPTS)
     plain, ours = (vllm_generate(engine_arguments(with_speculation(config, s)), prompts, [GREEDY], tmp_path)[0]
                    for s in ("off", "dspark_plugin"))

@@ -14,7 +14,8 @@ from dspark.evaluation.prompt_sets import round_robin
 from dspark.loader import encode_chat
 from dspark.schema import load_engine_config
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
+
 MAX_TOKENS, PROMPTS = 32, 40
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
 
@@ -38,12 +39,15 @@ def vllm_generate(engine_args: dict, prompts: list[list[int]], params: list[dict
 def fp32_vllm_config():
     """configs/embedded.yaml on vLLM in fp32 (batch-invariant enough to compare token for token), our proposer with
     full blocks and no gate (every round drafts, so acceptance compares with the native engine's)."""
-    config = load_engine_config(REPO / "configs" / "embedded.yaml")
-    return config.model_copy(update={
-        "target": config.target.model_copy(update={"dtype": "float32"}),
-        "draft": config.draft.model_copy(update={"dtype": "float32"}),
-        "engine": config.engine.model_copy(update={"backend": "vllm", "max_num_seqs": 8, "scheduler": "full",
-                                                   "draft_gate": False})})
+    config = in_dtype(load_engine_config(REPO / "configs" / "embedded.yaml"), "float32")
+    return config.model_copy(update={"engine": config.engine.model_copy(
+        update={"backend": "vllm", "max_num_seqs": 8, "scheduler": "full", "draft_gate": False})})
+
+
+def in_dtype(config, dtype: str):
+    """``config`` with its target and draft in ``dtype``."""
+    return config.model_copy(update={part: getattr(config, part).model_copy(update={"dtype": dtype})
+                                     for part in ("target", "draft")})
 
 
 def with_speculation(config, speculation: str):
