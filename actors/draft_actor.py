@@ -199,8 +199,17 @@ class RemoteDrafter:
     def draft(self, inputs: DraftInputs, sampling: SamplingTensors) -> DraftProposal:
         """One block per sequence, drawn in the actor with generators seeded as the caller's (the same draws as
         drafting in process)."""
+        return self.draft_result(self.submit_draft(inputs, sampling))
+
+    def submit_draft(self, inputs: DraftInputs, sampling: SamplingTensors) -> tuple:
+        """:meth:`draft` in two halves: the call starts now (the actor drafts while the caller goes on), and
+        :meth:`draft_result` waits for it."""
         seeds = {h: g.initial_seed() for h, g in zip(inputs.request_ids, sampling.generators) if h not in self._seeded}
-        proposal = self.result(self._call(inputs, sampling, seeds))
+        return self._call(inputs, sampling, seeds), seeds
+
+    def draft_result(self, ticket: tuple) -> DraftProposal:
+        ref, seeds = ticket
+        proposal = self.result(ref)
         if proposal is None:
             raise DrafterUnavailable("the drafter actor died or missed its deadline")
         self._seeded.update(seeds)
@@ -323,11 +332,24 @@ class DrafterActorHost:
             raise
 
     def draft(self, inputs: DraftInputs, sampling: SamplingTensors) -> DraftProposal:
+        return self.draft_result(self.submit_draft(inputs, sampling))
+
+    def submit_draft(self, inputs: DraftInputs, sampling: SamplingTensors):
+        """The draft call started (the actor drafts while vLLM finishes its step); :meth:`draft_result` takes it."""
+        return self.remote.submit_draft(inputs, sampling)
+
+    def draft_result(self, ticket) -> DraftProposal:
         try:
-            return self.remote.draft(inputs, sampling)
+            return self.remote.draft_result(ticket)
         except DrafterUnavailable:
             self._replace()
             raise
+
+    @property
+    def last_timing(self) -> dict:
+        """The actor's receive (``recv_s``: the features over the channel) and draft pass (``draft_s``) of its last
+        call, seconds."""
+        return self.remote.last_timing if self.remote is not None else {}
 
     @property
     def sent(self) -> TransportCounters:

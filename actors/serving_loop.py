@@ -320,6 +320,7 @@ class ServingLoop:
         if self.telemetry is not None:
             tel = self.telemetry
             tel.record_engine(m)
+            tel.record_timings(engine.timings)
             tel.set("num_requests_running", len(engine.running))
             tel.set("num_requests_waiting", len(engine.waiting) + len(self._submissions))
             alloc = engine.allocator

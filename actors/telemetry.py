@@ -61,6 +61,12 @@ METRICS = (
     MetricSpec("time_to_first_token_seconds", "histogram", "Submission to first token.", buckets=LATENCY_BUCKETS),
     MetricSpec("inter_token_latency_seconds", "histogram", "Time between token deliveries, per token.",
                buckets=ITL_BUCKETS),
+    MetricSpec("engine_phase_seconds", "counter", "The engine's step timeline by phase, seconds. Native engine: "
+                                                  "draft (waiting for the drafter), schedule, verify (target pass "
+                                                  "and acceptance), step (all). vLLM engine: step (all), target "
+                                                  "(vLLM's own work), draft (waiting for drafts), drafter (the draft "
+                                                  "pass), transport (features to the drafter actor), overlap (vLLM's "
+                                                  "work while the actor drafted).", ("phase",)),
     MetricSpec("num_requests_running", "gauge", "Requests being decoded."),
     MetricSpec("num_requests_waiting", "gauge", "Requests accepted but waiting for a batch slot or KV blocks."),
     MetricSpec("kv_cache_usage_perc", "gauge", "Fraction of the target KV cache's blocks in use or reserved."),
@@ -87,6 +93,7 @@ class ReplicaTelemetry:
         if use_ray:
             self._make_ray_metrics()
         self._last = SpecMetrics()
+        self._last_timings: dict[str, float] = {}
 
     def _make_ray_metrics(self) -> None:
         from ray.util import metrics
@@ -143,6 +150,12 @@ class ReplicaTelemetry:
             before = last.accepted_per_pos[pos] if pos < len(last.accepted_per_pos) else 0
             self.inc("spec_decode_num_accepted_tokens_per_pos", count - before, position=pos + 1)
         self._last = SpecMetrics().merge(metrics)  # a copy
+
+    def record_timings(self, timings: dict[str, float]) -> None:
+        """Fold the engine's cumulative step timeline in (``engine.timings``, seconds by phase; deltas)."""
+        for phase, seconds in timings.items():
+            self.inc("engine_phase_seconds", seconds - self._last_timings.get(phase, 0.0), phase=phase)
+        self._last_timings = dict(timings)
 
     def prometheus_text(self) -> bytes:
         return generate_latest(self.registry)

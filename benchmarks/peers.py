@@ -81,7 +81,8 @@ def _pin(cpus: list[int]) -> None:
 
 # ------------------------------------------------------------------------------------------------ vLLM (own process)
 def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[list[int]], max_tokens: int,
-                 greedy_batch_1_only: bool, queue, drafter: str = "colocated", cpus: list[int] | None = None) -> None:
+                 greedy_batch_1_only: bool, queue, drafter: str = "colocated", cpus: list[int] | None = None,
+                 overlap: bool = True) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if cpus:  # before vLLM and its OpenMP threads start: they inherit the cores and the thread count
         _pin(cpus)
@@ -96,16 +97,17 @@ def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[l
         "target": config.target.model_copy(update={"dtype": dtype}),
         "draft": config.draft.model_copy(update={"dtype": dtype}),
         "engine": config.engine.model_copy(update={"backend": "vllm", "vllm_speculation": speculation,
-                                                   "vllm_drafter": drafter, "max_num_seqs": CONCURRENCY})})
+                                                   "vllm_drafter": drafter, "vllm_draft_overlap": overlap,
+                                                   "max_num_seqs": CONCURRENCY})})
     llm = LLM(**engine_arguments(config), disable_log_stats=False)  # its counters: vllm:spec_decode_*
     if drafter == "actor":  # the drafter actor of a served replica, on a local Ray cluster of this process
         import ray
 
         from actors.draft_actor import DrafterActorHost
-        from dspark.integrations.vllm_compat import dspark_proposer
+        from dspark.integrations.vllm_compat import attach_remote_drafter
 
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-        dspark_proposer(llm).attach(DrafterActorHost(config))
+        attach_remote_drafter(llm, DrafterActorHost(config))
     results = {}
     for label, (temperature, top_p) in TEMPERATURES.items():
         if greedy_batch_1_only and temperature:
@@ -123,11 +125,27 @@ def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[l
                                 [params(i) for i in range(len(prompts))], use_tqdm=False)
             return [list(o.outputs[0].token_ids) for o in outs]
 
-        before = _vllm_spec_counters(llm)
+        before, split = _vllm_spec_counters(llm), _time_split(llm)
         results[label] = _timed(f"vLLM {speculation} {label}", prompts, one, None if greedy_batch_1_only else batch)
         after = _vllm_spec_counters(llm)
         results[label + " spec"] = {k: after[k] - before[k] for k in after}
+        if split is not None:
+            results[label + " split"] = {k: v - split[k] for k, v in _time_split(llm).items()}
     queue.put(results)
+
+
+def _time_split(llm) -> dict | None:
+    """Our proposer's step timeline so far, seconds (``StepDrafterStats``): vLLM's own work (target), its waits for
+    drafts (draft), the draft pass (drafter), the features' trip to an actor (transport), vLLM's work while an actor
+    drafted (overlap); None without our proposer."""
+    from dspark.integrations.vllm_compat import dspark_proposer
+
+    proposer = dspark_proposer(llm)
+    if proposer is None:
+        return None
+    st = proposer.step_drafter.stats
+    return {"target": st.step_seconds, "draft": st.draft_seconds, "drafter": st.drafter_seconds,
+            "transport": st.transport_seconds, "overlap": st.overlap_seconds, "steps": st.steps}
 
 
 def _vllm_spec_counters(llm) -> dict:
@@ -142,12 +160,14 @@ def _vllm_spec_counters(llm) -> dict:
 
 
 def vllm_system(config_path: Path, dtype: str, speculation: str, prompts, max_tokens: int,
-                greedy_batch_1_only: bool = False, drafter: str = "colocated", cpus: list[int] | None = None) -> dict:
-    """``cpus``: the engine's process on those cores, one thread each (None: this process's cores)."""
+                greedy_batch_1_only: bool = False, drafter: str = "colocated", cpus: list[int] | None = None,
+                overlap: bool = True) -> dict:
+    """``cpus``: the engine's process on those cores, one thread each (None: this process's cores); ``overlap``:
+    a drafter actor drafts while vLLM finishes its step (``engine.vllm_draft_overlap``)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_vllm_worker, args=(str(config_path), dtype, speculation, prompts, max_tokens,
-                                                  greedy_batch_1_only, queue, drafter, cpus))
+                                                  greedy_batch_1_only, queue, drafter, cpus, overlap))
     proc.start()
     while True:  # a worker that dies (a bad engine argument) must not leave the run waiting forever
         try:
@@ -296,6 +316,8 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
                                                                                  prompts, max_tokens),
         f"vLLM + DSpark actor ({head}, drafter actor over gloo)": lambda: vllm_system(
             config_path, dtype, "dspark_plugin", prompts, max_tokens, drafter="actor"),
+        f"vLLM + DSpark actor without overlap ({head}, vLLM waits for the drafts)": lambda: vllm_system(
+            config_path, dtype, "dspark_plugin", prompts, max_tokens, drafter="actor", overlap=False),
         "native plain": lambda: native_system(config, False, prompts, max_tokens),
         f"native + DSpark ({head})": lambda: native_system(config, True, prompts, max_tokens),
         "transformers generate": lambda: transformers_system(config, prompts, max_tokens, eos),
@@ -317,7 +339,8 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
                 tau = None
                 if spec and spec["drafts"]:
                     tau = 1 + spec["accepted"] / spec["drafts"]  # both modes pooled: drafts of this temperature
-                rows.append(_row(name, outputs, seconds, mode=mode, temperature=label, tau=tau))
+                rows.append(_row(name, outputs, seconds, mode=mode, temperature=label, tau=tau,
+                                 split=results.get(label + " split")))
     reference = {(r["mode"], r["temperature"]): r["outputs"] for r in rows if r["system"] == "vLLM plain"}
     for r in rows:
         base = next(x for x in rows if x["system"] == "vLLM plain" and x["mode"] == r["mode"]
@@ -351,6 +374,18 @@ def table(report: dict) -> str:
         tau = f"{r['tau']:.2f}" if r.get("tau") else ""
         lines.append(f"| {r['system']} | {r['mode']} | {r['temperature']} | {r['tok_s']:.1f} | "
                      f"{r['vs_vllm_plain']:.2f}x | {tau} | {equal} |")
+    splits = {(r["system"], r["temperature"]): r["split"] for r in report["rows"] if r.get("split")}
+    if splits:
+        lines += ["", "Where a DSpark-in-vLLM system's step time went (both modes of a decoding pooled), ms per step: "
+                  "vLLM's own work, its wait for drafts, the draft pass, the features' trip to the actor, and vLLM's "
+                  "work done while the actor drafted (overlap).", "",
+                  "| system | decoding | steps | vLLM | wait for drafts | draft pass | transport | overlapped |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for (system, temperature), sp in splits.items():
+            ms = {k: 1e3 * sp[k] / max(sp["steps"], 1) for k in ("target", "draft", "drafter", "transport",
+                                                                  "overlap")}
+            lines.append(f"| {system} | {temperature} | {sp['steps']} | {ms['target']:.1f} | {ms['draft']:.1f} | "
+                         f"{ms['drafter']:.1f} | {ms['transport']:.1f} | {ms['overlap']:.1f} |")
     s = report["served_vllm"]
     if s is None:
         return "\n".join(lines)

@@ -93,6 +93,13 @@ class EngineSpec(_Strict):
                                  "CPU, NCCL on GPU); a draft call past runtime.drafter_timeout_s or a dead actor "
                                  "costs that step its drafts (plain decoding, the same output) and the actor is "
                                  "replaced. Needs tp_size 1 (vLLM's engine in the replica process).")
+    vllm_draft_overlap: bool = Field(
+        True, description="vllm_drafter 'actor': the actor drafts the next step while vLLM finishes this one (its "
+                          "outputs detokenised and streamed, new requests admitted); vLLM's scheduler takes the "
+                          "drafts just before it schedules the next step. false: vLLM waits for them at the end "
+                          "of each step. Output is the same either way; /metrics splits the step's time "
+                          "(dspark:engine_phase_seconds). Ignored by colocated drafting and the native backend "
+                          "(whose router always asks for a group's next draft as soon as its round commits).")
     vllm_enforce_eager: bool = Field(
         True, description="vllm backend: skip torch.compile / CUDA graphs (starts in seconds; compiled it "
                           "decodes faster after a first start of minutes, cached on disk).")
@@ -118,7 +125,7 @@ class EngineSpec(_Strict):
                            "rounds (lossless: the choice depends only on rounds already verified).")
 
     def to_core(self, dtype: str) -> EngineConfig:
-        vllm_only = {"backend", "vllm_enforce_eager", "vllm_speculation", "vllm_drafter"}
+        vllm_only = {"backend", "vllm_enforce_eager", "vllm_speculation", "vllm_drafter", "vllm_draft_overlap"}
         return EngineConfig(dtype=dtype, **self.model_dump(exclude=vllm_only))
 
 

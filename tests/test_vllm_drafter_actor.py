@@ -5,7 +5,9 @@ its drafts back; through a real ``serve run`` with the openai client.
 The drafter is SIGKILLed in the middle of 8 concurrent streams: every stream completes with exactly plain vLLM's
 greedy output, the failure is counted, the actor is replaced and speculation resumes for new requests; the
 hidden states travel by the channel (its byte counter covers every committed position of a request, one row each),
-and ``/health`` names the engine's and the drafter's processes."""
+and ``/health`` names the engine's and the drafter's processes. The served app overlaps (``engine.vllm_draft_overlap``,
+the default: the actor drafts while vLLM finishes its step), and /metrics shows the step timeline; offline, the
+actor without overlap gives plain vLLM's greedy output too, and its timeline shows vLLM waiting for every draft."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from dspark.integrations.vllm_compat import engine_arguments
 from dspark.loader import load_tokenizer
 
 from conftest import KEY, serve_run, wait_for
-from vllm_runs import shared_prompts, shared_texts, vllm_generate
+from vllm_runs import GREEDY, fp32_vllm_config, shared_prompts, shared_texts, vllm_generate, with_speculation
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -66,9 +68,11 @@ def health(app) -> dict:
     return requests.get(f"{app.http}/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
 
 
-def metric(app, name: str) -> float:
+def metric(app, name: str, label: str = "") -> float:
+    """The sum of ``dspark:<name>`` series (``label``, e.g. 'phase="overlap"': those carrying it)."""
     text = requests.get(f"{app.http}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"dspark:{name}"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f"dspark:{name}") and label in line)
 
 
 def process_title(pid: int) -> str:
@@ -83,6 +87,24 @@ def row_bytes(config) -> int:
     """Bytes of one committed position on the channel: the target's states at the head's layers, fp32."""
     hidden = json.loads((config.resolve(config.target.path) / "config.json").read_text())["hidden_size"]
     return len(draft_config(config).target_layer_ids) * hidden * 4
+
+
+def test_the_actor_without_overlap_is_lossless_and_vllm_waits_for_every_draft(plain_vllm_fp32, tmp_path):
+    """``vllm_draft_overlap: false``: offline vLLM (fp32, full blocks, no gate), our proposer drafting through the
+    drafter actor, one request at a time: plain vLLM's greedy output on 8 of the shared prompts; every drafting step
+    waited for its draft at the end of the step (nothing overlapped), so the wait holds the actor's draft pass and
+    its receive of the features."""
+    config = with_speculation(fp32_vllm_config(), "dspark_plugin")
+    config = config.model_copy(update={"engine": config.engine.model_copy(
+        update={"vllm_drafter": "actor", "vllm_draft_overlap": False})})
+    prompts, plain = plain_vllm_fp32["prompts"][:STREAMS], plain_vllm_fp32["outputs"][:STREAMS]
+    run, = vllm_generate(engine_arguments(config), prompts, [GREEDY], tmp_path, drafter_actor=config)
+    assert run["outputs"] == plain, [i for i, (a, b) in enumerate(zip(run["outputs"], plain)) if a != b]
+    stats = run["proposer"]
+    assert stats["drafted_rows"] > 0 and run["spec"]["accepted"] > 0
+    assert stats["overlapped_steps"] == 0 and stats["overlap_seconds"] == 0
+    assert stats["drafter_seconds"] > 0 and stats["transport_seconds"] > 0
+    assert stats["draft_seconds"] >= stats["drafter_seconds"] + stats["transport_seconds"]
 
 
 def test_health_names_the_engine_and_the_drafter_actor(app):
@@ -120,6 +142,11 @@ def test_killing_the_drafter_mid_streams_loses_nothing_and_speculation_resumes(a
     assert not any(t.is_alive() for t in threads), "a stream hung"
     assert not errors, errors
     assert [replies[i] for i in range(STREAMS)] == plain  # plain vLLM's greedy output, every stream
+    # overlapped (the default): vLLM finished its steps while the actor drafted; the timeline's phases all moved
+    wait_for(lambda: metric(app, "engine_phase_seconds_total", 'phase="overlap"'), 30,
+             "the step timeline folded into /metrics", until=lambda seen: seen > 0)
+    for phase in ("target", "draft", "drafter", "transport", "step"):
+        assert metric(app, "engine_phase_seconds_total", f'phase="{phase}"') > 0, phase
     assert metric(app, "spec_decode_drafter_failures_total") == failures_before + 1
     assert metric(app, "spec_decode_drafter_fallbacks_total") > 0  # the streams went on plainly
 

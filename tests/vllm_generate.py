@@ -4,7 +4,9 @@
 
 REQUEST_JSON_FILE: {"engine_args": ..., "prompts": [[ids]], "params": [{SamplingParams kwargs}] (one per prompt, or
 one for all), "concurrency": [1, N, ...] (one run of all prompts per entry, in turn, on the one engine: 1 = one
-request at a time, N = all submitted together, vLLM batching up to max_num_seqs), "broken_draft_probs": false}.
+request at a time, N = all submitted together, vLLM batching up to max_num_seqs), "broken_draft_probs": false,
+"drafter_actor": null or a serving config (engine.vllm_drafter: actor) whose drafter actor our proposer drafts
+through (a local Ray cluster of this process's own)}.
 Prints one JSON object, {"runs": [...]}, one entry per run: "outputs" (token ids per prompt), "spec" (vLLM's
 spec_decode counters of that run), "proposer" (the DSpark proposer's own counters of that run, when one drafted).
 One engine for several runs saves a process start and an engine build per run (~25 s each on 2 CPU cores).
@@ -25,15 +27,15 @@ from dspark.integrations.vllm_compat import dspark_proposer
 
 
 def break_draft_probs() -> None:
-    propose = step_drafter.StepDrafter.propose
+    collect = step_drafter.StepDrafter.collect  # every step's drafts pass here (propose, and submit + collect)
 
-    def lying(self, rows):
-        out = propose(self, rows)
+    def lying(self):
+        out = collect(self)
         if out.draft_probs is None:
             return out
         return replace(out, draft_probs=out.draft_probs.new_full(out.draft_probs.shape, 1 / out.draft_probs.shape[-1]))
 
-    step_drafter.StepDrafter.propose = lying
+    step_drafter.StepDrafter.collect = lying
 
 
 def spec_counters(llm) -> dict:
@@ -73,6 +75,15 @@ if __name__ == "__main__":
     if request.get("broken_draft_probs"):
         break_draft_probs()
     llm = LLM(**request["engine_args"], disable_log_stats=False)
+    if request.get("drafter_actor"):
+        import ray
+
+        from actors.draft_actor import DrafterActorHost
+        from dspark.integrations.vllm_compat import attach_remote_drafter
+        from dspark.schema import EngineFileConfig
+
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        attach_remote_drafter(llm, DrafterActorHost(EngineFileConfig(**request["drafter_actor"])))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     params = [SamplingParams(**p) for p in request["params"]]
     params = params * len(prompts) if len(params) == 1 else params

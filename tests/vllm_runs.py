@@ -21,12 +21,17 @@ GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
 
 
 def vllm_generate(engine_args: dict, prompts: list[list[int]], params: list[dict], tmp: Path,
-                  concurrency: tuple[int, ...] = (1,), broken_draft_probs: bool = False) -> list[dict]:
+                  concurrency: tuple[int, ...] = (1,), broken_draft_probs: bool = False,
+                  drafter_actor=None) -> list[dict]:
     """One engine, all ``prompts`` once per entry of ``concurrency`` (1: one request at a time; N: all submitted
-    together); one result per run (outputs and that run's counters, see ``tests/vllm_generate.py``)."""
+    together); one result per run (outputs and that run's counters, see ``tests/vllm_generate.py``).
+    ``drafter_actor``: the serving config (``engine.vllm_drafter: actor``) whose drafter actor our proposer drafts
+    through, on a local Ray cluster of the script's own."""
     request = tmp / f"request-{os.getpid()}-{len(list(tmp.iterdir()))}.json"
+    actor = {**drafter_actor.model_dump(mode="json"), "base_dir": drafter_actor.base_dir} if drafter_actor else None
     request.write_text(json.dumps({"engine_args": engine_args, "prompts": prompts, "params": params,
-                                   "concurrency": list(concurrency), "broken_draft_probs": broken_draft_probs}))
+                                   "concurrency": list(concurrency), "broken_draft_probs": broken_draft_probs,
+                                   "drafter_actor": actor}))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core in the script's process
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_generate.py")), str(request)],
                          capture_output=True, text=True, env=env, timeout=1200, cwd=REPO)

@@ -74,8 +74,16 @@ class StepDrafterStats:
     resyncs: int = 0  # requests whose context was out of step with the host (drafting stopped for them)
     drafter_failures: int = 0  # a remote drafter died or missed its deadline (that step decoded plainly)
     drafter_fallbacks: int = 0  # request-steps decoded plainly because a failed drafter took their context
+    # the step timeline, seconds: the host waits ``draft_seconds`` for drafts (the whole draft pass in process, the
+    # whole actor call without overlap, only what the host's own work between two steps did not cover with it);
+    # ``drafter_seconds`` is the draft pass itself and ``transport_seconds`` the features' trip over the channel
+    # (an actor's: its receive); ``overlap_seconds`` the host's work done while a draft was in flight
     draft_seconds: float = 0.0
-    step_seconds: float = 0.0  # wall time between consecutive calls: the host's step, drafting included
+    drafter_seconds: float = 0.0
+    transport_seconds: float = 0.0
+    overlap_seconds: float = 0.0
+    overlapped_steps: int = 0  # steps whose drafts were collected after the host's bookkeeping (overlap)
+    step_seconds: float = 0.0  # the host's steps less the waits for drafts: its target passes and bookkeeping
 
 
 class MeasuredCosts:
@@ -137,10 +145,29 @@ class _Sequence:
         self.broken = False  # out of step with the host: decodes plainly until it finishes
 
 
+@dataclass
+class _InFlight:
+    """A step's draft call between :meth:`StepDrafter.submit` and :meth:`StepDrafter.collect`."""
+
+    num_rows: int
+    drafting: list[int]  # row indices that drafted
+    positions: list[int]  # each drafting row's anchor position
+    params: list[RowParams]  # each drafting row's
+    greedy: bool  # every drafting row greedy (no draft distributions needed)
+    started: float  # perf_counter when the call started
+    submitted: float  # perf_counter when it was in flight (the host went on)
+    ticket: object = None  # the drafter's handle on the call (submit_draft), or
+    proposal: object = None  # the proposal itself (a drafter without submit_draft drafted at once)
+
+
 class StepDrafter:
     """Per-request context bookkeeping and batched block drafting around a drafter with the sequence interface of
     ``dspark.decoding.drafter.DSparkDrafter`` (``can_start_sequence`` / ``start_sequence`` / ``release_sequence`` /
     ``commit`` / ``draft``): the DSpark head over its paged context cache, in this process or behind an actor.
+
+    Two ways to run a step: :meth:`propose` drafts and returns the drafts; :meth:`submit` starts the draft call and
+    :meth:`collect` takes its drafts later, so that a drafter behind an actor (``submit_draft`` / ``draft_result``)
+    drafts while the host does the rest of its step (the overlap; a drafter in this process drafts at submit).
 
     A remote drafter that fails (``DrafterUnavailable`` from ``commit`` or ``draft``) costs that step its drafts and
     every current request its context (held in the lost process): they finish decoding plainly, and requests that
@@ -168,6 +195,10 @@ class StepDrafter:
         self.verified: dict[str, int] = {}  # draft tokens each request had verified in the host's last step
         self._sent: dict[str, int] = {}  # draft tokens handed to the host for its next step
         self._next_handle = 0
+        self._in_flight: _InFlight | StepDrafts | None = None  # a submitted step not collected yet
+        self._row_ids: list[str] = []  # its rows' request ids
+        self._overlap = False
+        self._waited = 0.0  # seconds the host waited for drafts since the last submit
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def attach(self, drafter) -> None:
@@ -209,17 +240,45 @@ class StepDrafter:
     def propose(self, rows: StepRows) -> StepDrafts:
         """Bookkeeping of the step the host just ran, and the drafts of its next one. Afterwards ``verified`` says
         how many draft tokens each request had verified in the step just ran (the host's per-request counters)."""
+        self.submit(rows, overlap=False)
+        return self.collect()
+
+    def submit(self, rows: StepRows, overlap: bool = True) -> None:
+        """:meth:`propose` in two halves: the bookkeeping and the draft call now, the drafts from :meth:`collect`
+        (before the host's next step). ``overlap``: the host works on between the two (its time then counts in
+        ``stats.overlap_seconds``)."""
+        if self._in_flight is not None:
+            raise RuntimeError("StepDrafter.submit: the last step's drafts were never collected")
+        now = time.perf_counter()
+        if self._last_call is not None:  # since the last submit: the host's step, less its waits for drafts
+            host = now - self._last_call - self._waited
+            self.stats.step_seconds += host
+            if rows.request_ids and all(c for c in rows.committed_tokens):  # a decode step (no prompt chunk)
+                self.costs.record(sum(rows.num_scheduled), host)
         self.verified = self._sent
-        drafts = self._propose(rows)
-        self._sent = {rid: len(t) for rid, t in zip(rows.request_ids, drafts.tokens) if t}
+        self._overlap = overlap
+        self._in_flight = self._begin(rows)
+        self._last_call = now
+        self._waited = time.perf_counter() - now  # our bookkeeping, the features' send and the call (or the draft)
+
+    @property
+    def in_flight(self) -> bool:
+        """A submitted step whose drafts :meth:`collect` has not taken yet."""
+        return self._in_flight is not None
+
+    def collect(self) -> StepDrafts:
+        """The drafts of the step :meth:`submit` started."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is None:
+            raise RuntimeError("StepDrafter.collect: no step submitted")
+        drafts = pending if isinstance(pending, StepDrafts) else self._finish(pending)
+        self._sent = {rid: len(t) for rid, t in zip(self._row_ids, drafts.tokens) if t}
         return drafts
 
-    def _propose(self, rows: StepRows) -> StepDrafts:
-        now = time.perf_counter()
-        if self._last_call is not None:
-            self.stats.step_seconds += now - self._last_call
-            if rows.request_ids and all(c for c in rows.committed_tokens):  # a decode step (no prompt chunk)
-                self.costs.record(sum(rows.num_scheduled), now - self._last_call)
+    def _begin(self, rows: StepRows) -> _InFlight | StepDrafts:
+        """Bookkeeping, features to the drafter, and the draft call started: what :meth:`_finish` completes, or
+        the step's drafts already (nothing drafts this step)."""
+        self._row_ids = rows.request_ids
         self.stats.steps += 1
         self._refresh_gate()
         decoding = sum(1 for c in rows.committed_tokens if c)  # rows decoding together: the gate's batch
@@ -276,7 +335,6 @@ class StepDrafter:
             except DrafterUnavailable:
                 self._drafter_lost(len(drafting))
                 return StepDrafts(tokens, None, None)
-        self._last_call = time.perf_counter()
         if drafting and self.calibration_left > 0:  # plain steps first: the cost table's plain points
             self.calibration_left -= 1
             drafting = []
@@ -290,15 +348,31 @@ class StepDrafter:
             torch.tensor([p.top_k for p in params], dtype=torch.long),
             [self.sequences[rows.request_ids[i]].generator for i in drafting])
         handles = [self._handles[rows.request_ids[i]] for i in drafting]
+        inputs = DraftInputs(handles, torch.tensor(anchors), torch.tensor(positions))
+        flight = _InFlight(len(rows.request_ids), drafting, positions, params, bool(sampling.greedy.all()), start, 0.0)
         try:
-            proposal = self.drafter.draft(DraftInputs(handles, torch.tensor(anchors), torch.tensor(positions)),
-                                          sampling)
+            if hasattr(self.drafter, "submit_draft"):  # behind an actor: it drafts while the host goes on
+                flight.ticket = self.drafter.submit_draft(inputs, sampling)
+            else:
+                flight.proposal = self.drafter.draft(inputs, sampling)
         except DrafterUnavailable:
             self._drafter_lost(len(drafting))
-            self._last_call = time.perf_counter()
             return StepDrafts(tokens, None, None)
-        budgets = torch.tensor([rows.params[i].max_total_tokens - positions[k] - 1
-                                for k, i in enumerate(drafting)])  # [B]
+        flight.submitted = time.perf_counter()
+        return flight
+
+    def _finish(self, flight: _InFlight) -> StepDrafts:
+        """The drafts of a started call: wait for them, then the prefix scheduler's lengths per row."""
+        resumed = time.perf_counter()
+        drafting, positions = flight.drafting, flight.positions
+        tokens: list[list[int]] = [[] for _ in range(flight.num_rows)]
+        try:
+            proposal = flight.proposal if flight.ticket is None else self.drafter.draft_result(flight.ticket)
+        except DrafterUnavailable:
+            self._drafter_lost(len(drafting))
+            self._waited += time.perf_counter() - resumed
+            return StepDrafts(tokens, None, None)
+        budgets = torch.tensor([p.max_total_tokens - positions[k] - 1 for k, p in enumerate(flight.params)])  # [B]
         profile = self.costs.profile() if self.scheduler == "confidence" else None
         if profile is not None:
             lengths = schedule_prefix(proposal.confidences, profile, budgets.clamp(max=self.block_size))
@@ -312,16 +386,24 @@ class StepDrafter:
         self.stats.drafted_tokens += proposal.tokens.numel()
         self.stats.scheduled_tokens += sum(lengths_list)
         probs = None
-        if proposal.draft_probs is not None and not bool(sampling.greedy.all()):
+        if proposal.draft_probs is not None and not flight.greedy:
             draft_probs = proposal.draft_probs.to_dense()  # [B, G, V]
-            probs = draft_probs.new_zeros(len(rows.request_ids), *draft_probs.shape[1:])
+            probs = draft_probs.new_zeros(flight.num_rows, *draft_probs.shape[1:])
             probs.index_copy_(0, torch.tensor(drafting), draft_probs)
-        confidences = proposal.confidences.new_zeros(len(rows.request_ids), proposal.confidences.shape[1])
+        confidences = proposal.confidences.new_zeros(flight.num_rows, proposal.confidences.shape[1])
         confidences.index_copy_(0, torch.tensor(drafting), proposal.confidences)
-        elapsed = time.perf_counter() - start
-        self.stats.draft_seconds += elapsed
-        self.costs.record_draft(elapsed, len(drafting))
-        self._last_call = time.perf_counter()
+        done = time.perf_counter()
+        self._waited += done - resumed
+        away = resumed - flight.submitted  # the host's own work while the call ran (~0 without overlap)
+        waited = done - flight.started - away  # what drafting cost the host: the call, less what it overlapped
+        timing = getattr(self.drafter, "last_timing", None) if flight.ticket is not None else None
+        self.stats.draft_seconds += waited
+        self.stats.drafter_seconds += timing["draft_s"] if timing else waited
+        self.stats.transport_seconds += timing.get("recv_s", 0.0) if timing else 0.0
+        if self._overlap:
+            self.stats.overlap_seconds += away
+            self.stats.overlapped_steps += 1
+        self.costs.record_draft(waited, len(drafting))
         return StepDrafts(tokens, probs, confidences)
 
     def _refresh_gate(self) -> None:

@@ -245,7 +245,7 @@ def dspark_options(config) -> dict[str, Any]:
             "block_size": engine.block_size, "draft_top_k": engine.draft_top_k,
             "kv_cache_tokens": engine.kv_cache_tokens, "kv_block_size": engine.kv_block_size,
             "draft_gate": engine.draft_gate, "scheduler": engine.scheduler, "seed": 0,
-            "drafter": engine.vllm_drafter}
+            "drafter": engine.vllm_drafter, "overlap": engine.vllm_draft_overlap}
 
 
 def serve_command(args: dict[str, Any]) -> list[str]:
@@ -331,6 +331,7 @@ class VllmEngine:
         self.proposer = dspark_proposer(self.llm)
         self.drafter = self.proposer.step_drafter if self.proposer is not None else None
         self.remote_drafter = None  # engine.vllm_drafter 'actor': the drafter actor's host (attach_drafter)
+        self.overlap = False  # the actor drafts while vLLM finishes each step (engine.vllm_draft_overlap)
         self.tokenizer = load_tokenizer(path, config.target.trust_remote_code)
         self.allocator = _KvView(self.llm)
         self.requests: dict = {}  # request id -> dspark.decoding.request.Request (prompt, params, per-request metrics)
@@ -343,10 +344,7 @@ class VllmEngine:
     def attach_drafter(self, drafter) -> None:
         """``engine.vllm_drafter: actor``: our proposer drafts through ``drafter`` (``actors.draft_actor.
         DrafterActorHost``, built by ``actors.target_actor.vllm_target``)."""
-        if self.proposer is None or not self.proposer.remote:
-            raise ConfigError("engine.vllm_drafter", "no DSpark proposer waiting for a drafter actor in this "
-                                                     "process's vLLM engine")
-        self.proposer.attach(drafter)
+        self.overlap = attach_remote_drafter(self.llm, drafter)
         self.remote_drafter = drafter
 
     @property
@@ -417,6 +415,10 @@ class VllmEngine:
         self.timings["step"] += time.perf_counter() - start
         if self.drafter is not None:  # before the scheduler, and the gate's plain rounds: our proposer's counts
             stats = self.drafter.stats
+            # the step timeline: vLLM's own work (target pass, sampling, bookkeeping), the waits for drafts, the
+            # draft pass, the features' trip to an actor, and vLLM's work done while the actor drafted
+            self.timings.update(target=stats.step_seconds, draft=stats.draft_seconds, drafter=stats.drafter_seconds,
+                                transport=stats.transport_seconds, overlap=stats.overlap_seconds)
             self.metrics.num_drafted_tokens = stats.drafted_tokens
             self.metrics.draft_skips = stats.gate_skips
             self.metrics.drafter_failures = stats.drafter_failures
@@ -490,6 +492,9 @@ class DSparkProposer:
         self.options = options
         self.num_speculative_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.remote = options.get("drafter", "colocated") == "actor"  # drafts in an actor attached later
+        # the actor drafts while vLLM finishes its step: drafts taken just before the next one is scheduled
+        # (attach_remote_drafter); in this process there is nothing to overlap with
+        self.overlap = self.remote and bool(options.get("overlap", True))
         if self.remote:  # only which layers it reads: the weights are the actor's
             layers = draft_config_from_json(json.loads((Path(options["draft"]) / "config.json").read_text()))
             self.model = None
@@ -566,9 +571,25 @@ class DSparkProposer:
         finished = set(scheduler_output.finished_req_ids) | set(getattr(scheduler_output, "preempted_req_ids", None)
                                                                 or ())
         features = torch.cat([h[:total] for h in aux_hidden_states], dim=-1)  # [total, K * hidden]
-        out = self.step_drafter.propose(StepRows(req_ids, first, scheduled, drafted, [list(t) for t in
-                                                                                        sampled_token_ids],
-                                                 features, params, finished))
+        rows = StepRows(req_ids, first, scheduled, drafted, [list(t) for t in sampled_token_ids], features, params,
+                        finished)
+        if self.overlap:
+            self.step_drafter.submit(rows)
+            self._row_ids = req_ids
+            return None, None, req_ids
+        return self._vllm_drafts(self.step_drafter.propose(rows), req_ids)
+
+    @property
+    def drafts_in_flight(self) -> bool:
+        return self.step_drafter is not None and self.step_drafter.in_flight
+
+    def collect_step(self):
+        """The drafts of the step :meth:`propose_step` submitted (overlap), as it would have returned them."""
+        return self._vllm_drafts(self.step_drafter.collect(), self._row_ids)
+
+    def _vllm_drafts(self, out, req_ids: list[str]):
+        import torch
+
         probs = out.draft_probs
         if probs is not None and probs.shape[-1] != self.vocab_size:  # [rows, G, V] as the target's logits
             probs = torch.nn.functional.pad(probs, (0, self.vocab_size - probs.shape[-1]))
@@ -653,6 +674,7 @@ def register_plugin() -> None:
     base_init = GPUModelRunner.__init__
     base_aux = GPUModelRunner._get_eagle3_aux_layers_from_config
     base_propose = GPUModelRunner.propose_draft_token_ids
+    base_take = GPUModelRunner.take_draft_token_ids
 
     def __init__(self, *args, **kwargs):
         base_init(self, *args, **kwargs)
@@ -674,18 +696,77 @@ def register_plugin() -> None:
                                                            aux_hidden_states)
         if probs is not None:
             self._draft_probs, self._draft_prob_req_ids = probs, req_ids
-        return tokens
+        return [] if tokens is None else tokens  # None: in flight, taken by take_draft_token_ids
+
+    def take_draft_token_ids(self):
+        if _is_dspark(self) and self.drafter.drafts_in_flight:  # overlap: the actor's drafts, waited for now
+            tokens, probs, req_ids = self.drafter.collect_step()
+            self._draft_token_ids, self._draft_token_req_ids = tokens, list(req_ids)
+            if probs is not None:
+                self._draft_probs, self._draft_prob_req_ids = probs, req_ids
+        return base_take(self)
 
     GPUModelRunner.__init__ = __init__
     GPUModelRunner._get_eagle3_aux_layers_from_config = _get_eagle3_aux_layers_from_config
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    GPUModelRunner.take_draft_token_ids = take_draft_token_ids
     GPUModelRunner._dspark_plugin = True
+
+
+def _engine_core(llm):
+    """The in-process ``EngineCore`` of a vLLM engine (``LLMEngine`` or ``vllm.LLM``), or None."""
+    engine = getattr(llm, "llm_engine", llm)
+    return getattr(getattr(engine, "engine_core", None), "engine_core", None)  # InprocClient -> EngineCore
 
 
 def dspark_proposer(llm):
     """The :class:`DSparkProposer` of an in-process vLLM engine (``LLMEngine`` or ``vllm.LLM``), or None."""
-    engine = getattr(llm, "llm_engine", llm)
-    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)  # InprocClient -> EngineCore
+    core = _engine_core(llm)
     worker = getattr(getattr(getattr(core, "model_executor", None), "driver_worker", None), "worker", None)
     drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
     return drafter if isinstance(drafter, DSparkProposer) else None
+
+
+def attach_remote_drafter(llm, drafter) -> bool:
+    """Our proposer in ``llm`` (``drafter: actor``) drafts through ``drafter`` (``actors.draft_actor.
+    DrafterActorHost``); with ``overlap`` the engine core collects each step's drafts late (below). Returns whether
+    it overlaps."""
+    proposer = dspark_proposer(llm)
+    if proposer is None or not proposer.remote:
+        raise ConfigError("engine.vllm_drafter", "no DSpark proposer waiting for a drafter actor in this process's "
+                                                 "vLLM engine")
+    proposer.attach(drafter)
+    proposer.overlap = proposer.overlap and _defer_draft_collection(_engine_core(llm))
+    return proposer.overlap
+
+
+def _defer_draft_collection(core) -> bool:
+    """The overlap of the drafter actor with vLLM's step. vLLM's engine core takes a step's drafts in
+    ``EngineCore.post_step``, right after the scheduler has read the step's output and before the engine turns it
+    into request outputs (detokenising, stop strings) and hands them to the caller (our serving loop streams them
+    and admits new requests). Here it takes them just before it schedules the next step instead, so the actor
+    drafts while all that runs. The scheduler sees the drafts at the same point of its cycle (before ``schedule``),
+    so what it schedules is unchanged; drafts of requests that finished meanwhile are dropped by its
+    ``update_draft_token_ids`` as before. When the engine has nothing left to schedule they are taken at once.
+    Instance attributes of this engine core (``step_fn``, ``post_step``) are wrapped; vLLM's classes are not."""
+    if core is None:
+        return False
+    base_step, base_post = core.step_fn, core.post_step
+    due = [False]  # a step ran whose drafts are not taken yet
+
+    def take() -> None:
+        due[0] = False
+        base_post(True)
+
+    def post_step(model_executed: bool) -> None:
+        due[0] = due[0] or model_executed
+        if due[0] and not core.scheduler.has_requests():
+            take()
+
+    def step_fn():
+        if due[0]:
+            take()
+        return base_step()
+
+    core.step_fn, core.post_step = step_fn, post_step
+    return True
