@@ -96,8 +96,10 @@ class EngineSpec(_Strict):
     vllm_draft_overlap: bool = Field(
         True, description="vllm_drafter 'actor': the actor drafts the next step while vLLM finishes this one (its "
                           "outputs detokenised and streamed, new requests admitted); vLLM's scheduler takes the "
-                          "drafts just before it schedules the next step. false: vLLM waits for them at the end "
-                          "of each step. Output is the same either way; /metrics splits the step's time "
+                          "drafts just before it schedules the next step (runtime.drafter_timeout_s then counts "
+                          "from there). false: vLLM waits for them at the end of each step. Output is the same "
+                          "either way; the draft gate and the prefix scheduler weigh only the wait for drafts "
+                          "the overlap leaves; /metrics splits the step's time "
                           "(dspark:engine_phase_seconds). Ignored by colocated drafting and the native backend "
                           "(whose router always asks for a group's next draft as soon as its round commits).")
     vllm_enforce_eager: bool = Field(

@@ -89,22 +89,50 @@ def row_bytes(config) -> int:
     return len(draft_config(config).target_layer_ids) * hidden * 4
 
 
-def test_the_actor_without_overlap_is_lossless_and_vllm_waits_for_every_draft(plain_vllm_fp32, tmp_path):
-    """``vllm_draft_overlap: false``: offline vLLM (fp32, full blocks, no gate), our proposer drafting through the
-    drafter actor, one request at a time: plain vLLM's greedy output on 8 of the shared prompts; every drafting step
-    waited for its draft at the end of the step (nothing overlapped), so the wait holds the actor's draft pass and
-    its receive of the features."""
+@pytest.fixture(scope="module")
+def offline_actor_runs(plain_vllm_fp32, tmp_path_factory) -> dict:
+    """Offline vLLM (fp32, full blocks, no gate), our proposer drafting through the drafter actor, one request at a
+    time: 8 of the shared prompts greedy, then the same 8 at T=1 / top-p 0.95 with seeds; once with the overlap
+    off and once on (``engine.vllm_draft_overlap``)."""
     config = with_speculation(fp32_vllm_config(), "dspark_plugin")
-    config = config.model_copy(update={"engine": config.engine.model_copy(
-        update={"vllm_drafter": "actor", "vllm_draft_overlap": False})})
-    prompts, plain = plain_vllm_fp32["prompts"][:STREAMS], plain_vllm_fp32["outputs"][:STREAMS]
-    run, = vllm_generate(engine_arguments(config), prompts, [GREEDY], tmp_path, drafter_actor=config)
-    assert run["outputs"] == plain, [i for i, (a, b) in enumerate(zip(run["outputs"], plain)) if a != b]
+    prompts = plain_vllm_fp32["prompts"][:STREAMS]
+    params = [GREEDY] * STREAMS + [{**GREEDY, "temperature": 1.0, "top_p": 0.95, "seed": i} for i in range(STREAMS)]
+    runs = {}
+    for overlap in (False, True):
+        actor = config.model_copy(update={"engine": config.engine.model_copy(
+            update={"vllm_drafter": "actor", "vllm_draft_overlap": overlap})})
+        runs[overlap], = vllm_generate(engine_arguments(actor), prompts * 2, params,
+                                       tmp_path_factory.mktemp(f"actor-overlap-{overlap}"), drafter_actor=actor)
+    return {"plain": plain_vllm_fp32["outputs"][:STREAMS], **runs}
+
+
+def test_the_actor_without_overlap_is_lossless_and_vllm_waits_for_every_draft(offline_actor_runs):
+    """``vllm_draft_overlap: false``: plain vLLM's greedy output; every draft is collected within its step, before
+    vLLM has turned the step into outputs, so nothing overlapped and the wait holds the actor's draft pass and its
+    receive of the features."""
+    run, plain = offline_actor_runs[False], offline_actor_runs["plain"]
+    assert run["outputs"][:STREAMS] == plain, [i for i, (a, b) in enumerate(zip(run["outputs"], plain)) if a != b]
     stats = run["proposer"]
     assert stats["drafted_rows"] > 0 and run["spec"]["accepted"] > 0
+    assert stats["collects"] > 0 and stats["after_outputs"] == 0
     assert stats["overlapped_steps"] == 0 and stats["overlap_seconds"] == 0
     assert stats["drafter_seconds"] > 0 and stats["transport_seconds"] > 0
     assert stats["draft_seconds"] >= stats["drafter_seconds"] + stats["transport_seconds"]
+
+
+def test_the_overlapping_actor_is_lossless_and_collects_after_vllm_made_the_outputs(offline_actor_runs):
+    """``vllm_draft_overlap: true``: plain vLLM's greedy output, and the same seeded T=1 output as without overlap
+    (the draft distributions reach the next step's rejection sampler for the right rows: drafts misrouted would
+    change what it accepts). Drafts were collected after vLLM processed the step's outputs (deferred to the next
+    step), except the last step of each request, whose drafts are taken at once when nothing is left to decode."""
+    run, sync, plain = offline_actor_runs[True], offline_actor_runs[False], offline_actor_runs["plain"]
+    assert run["outputs"][:STREAMS] == plain, [i for i, (a, b) in enumerate(zip(run["outputs"], plain)) if a != b]
+    assert run["outputs"][STREAMS:] == sync["outputs"][STREAMS:]
+    assert run["outputs"][STREAMS:] != run["outputs"][:STREAMS]  # the sampled half really sampled
+    stats = run["proposer"]
+    assert stats["drafted_rows"] > 0 and run["spec"]["accepted"] > 0
+    assert stats["collects"] - 2 * STREAMS <= stats["after_outputs"] < stats["collects"]
+    assert stats["after_outputs"] > 0 and stats["overlapped_steps"] > 0
 
 
 def test_health_names_the_engine_and_the_drafter_actor(app):

@@ -8,7 +8,8 @@ request at a time, N = all submitted together, vLLM batching up to max_num_seqs)
 "drafter_actor": null or a serving config (engine.vllm_drafter: actor) whose drafter actor our proposer drafts
 through (a local Ray cluster of this process's own)}.
 Prints one JSON object, {"runs": [...]}, one entry per run: "outputs" (token ids per prompt), "spec" (vLLM's
-spec_decode counters of that run), "proposer" (the DSpark proposer's own counters of that run, when one drafted).
+spec_decode counters of that run), "proposer" (the DSpark proposer's own counters of that run, when one drafted,
+with "collects" and "after_outputs": see ``CollectTiming``).
 One engine for several runs saves a process start and an engine build per run (~25 s each on 2 CPU cores).
 
 ``broken_draft_probs`` makes the DSpark proposer report uniform draft distributions instead of the ones it sampled
@@ -36,6 +37,37 @@ def break_draft_probs() -> None:
         return replace(out, draft_probs=out.draft_probs.new_full(out.draft_probs.shape, 1 / out.draft_probs.shape[-1]))
 
     step_drafter.StepDrafter.collect = lying
+
+
+class CollectTiming:
+    """When the DSpark proposer's drafts are collected relative to vLLM's output processing: a collect after the
+    engine has turned a step into request outputs (``OutputProcessor.process_outputs`` ran between the step's
+    submit and its collect) is one the engine core deferred to its next step (the overlap); a synchronous proposer
+    collects within the step, before any."""
+
+    def __init__(self):
+        from vllm.v1.engine.output_processor import OutputProcessor
+
+        self.outputs = self.at_submit = 0
+        self.counts = {"collects": 0, "after_outputs": 0}
+        process, submit, collect = OutputProcessor.process_outputs, step_drafter.StepDrafter.submit, \
+            step_drafter.StepDrafter.collect
+
+        def process_outputs(processor, *args, **kwargs):
+            self.outputs += 1
+            return process(processor, *args, **kwargs)
+
+        def submitted(drafter, *args, **kwargs):
+            self.at_submit = self.outputs
+            return submit(drafter, *args, **kwargs)
+
+        def collected(drafter):
+            self.counts["collects"] += 1
+            self.counts["after_outputs"] += self.outputs > self.at_submit
+            return collect(drafter)
+
+        OutputProcessor.process_outputs = process_outputs
+        step_drafter.StepDrafter.submit, step_drafter.StepDrafter.collect = submitted, collected
 
 
 def spec_counters(llm) -> dict:
@@ -74,6 +106,7 @@ if __name__ == "__main__":
     request = json.loads(open(sys.argv[1]).read())
     if request.get("broken_draft_probs"):
         break_draft_probs()
+    timing = CollectTiming()
     llm = LLM(**request["engine_args"], disable_log_stats=False)
     if request.get("drafter_actor"):
         import ray
@@ -90,11 +123,15 @@ if __name__ == "__main__":
     runs = []
     for concurrency in request["concurrency"]:
         spec, proposer = spec_counters(llm), proposer_stats(llm)
+        if proposer is not None:
+            proposer.update(timing.counts)
         if concurrency == 1:
             outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
         else:
             outs = llm.generate(prompts, params, use_tqdm=False)
         after = proposer_stats(llm)
+        if after is not None:
+            after.update(timing.counts)
         runs.append({"outputs": [list(o.outputs[0].token_ids) for o in outs], "spec": since(spec_counters(llm), spec),
                      "proposer": since(after, proposer or {}) if after is not None else None})
     print(json.dumps({"runs": runs}))

@@ -107,6 +107,8 @@ class MeasuredCosts:
         self.samples[tokens] = self.samples.get(tokens, 0) + 1
 
     def record_draft(self, seconds: float, rows: int = 1) -> None:
+        """A draft call's cost to the host: the whole call in process or without overlap; with the overlap only
+        the wait it left (what the draft gate and the scheduler must weigh against the tokens it brings)."""
         self.draft_seconds = self._average(self.draft_seconds, seconds)
         self.draft_by_rows[rows] = self._average(self.draft_by_rows.get(rows), seconds)
 
@@ -206,6 +208,7 @@ class StepDrafter:
         theirs)."""
         self.sequences.clear()
         self._handles.clear()
+        self._in_flight = None
         self.drafter = drafter
 
     def _drafter_lost(self, rows_that_wanted: int) -> None:
@@ -247,8 +250,9 @@ class StepDrafter:
         """:meth:`propose` in two halves: the bookkeeping and the draft call now, the drafts from :meth:`collect`
         (before the host's next step). ``overlap``: the host works on between the two (its time then counts in
         ``stats.overlap_seconds``)."""
-        if self._in_flight is not None:
-            raise RuntimeError("StepDrafter.submit: the last step's drafts were never collected")
+        if self._in_flight is not None:  # a host step failed between submit and collect: those drafts are stale
+            self.collect()
+            self._sent = {}
         now = time.perf_counter()
         if self._last_call is not None:  # since the last submit: the host's step, less its waits for drafts
             host = now - self._last_call - self._waited

@@ -417,8 +417,9 @@ class VllmEngine:
             stats = self.drafter.stats
             # the step timeline: vLLM's own work (target pass, sampling, bookkeeping), the waits for drafts, the
             # draft pass, the features' trip to an actor, and vLLM's work done while the actor drafted
-            self.timings.update(target=stats.step_seconds, draft=stats.draft_seconds, drafter=stats.drafter_seconds,
-                                transport=stats.transport_seconds, overlap=stats.overlap_seconds)
+            self.timings.update(target=self.timings["step"] - stats.draft_seconds, draft=stats.draft_seconds,
+                                drafter=stats.drafter_seconds, transport=stats.transport_seconds,
+                                overlap=stats.overlap_seconds)
             self.metrics.num_drafted_tokens = stats.drafted_tokens
             self.metrics.draft_skips = stats.gate_skips
             self.metrics.drafter_failures = stats.drafter_failures
@@ -436,7 +437,10 @@ class VllmEngine:
         return self.llm.has_unfinished_requests()
 
     def reset_transient_state(self) -> None:
-        """After a failed step the loop has aborted every request; vLLM keeps no other per-step state of ours."""
+        """After a failed step the loop has aborted every request: a draft call still in flight is taken and
+        dropped (its requests are gone); vLLM keeps no other per-step state of ours."""
+        if self.drafter is not None and self.drafter.in_flight:
+            self.drafter.collect()
 
     def shutdown(self) -> None:
         if self.remote_drafter is not None:
@@ -700,10 +704,13 @@ def register_plugin() -> None:
 
     def take_draft_token_ids(self):
         if _is_dspark(self) and self.drafter.drafts_in_flight:  # overlap: the actor's drafts, waited for now
+            from vllm.v1.outputs import DraftTokenIds
+
             tokens, probs, req_ids = self.drafter.collect_step()
-            self._draft_token_ids, self._draft_token_req_ids = tokens, list(req_ids)
-            if probs is not None:
+            self._draft_token_ids = tokens
+            if probs is not None:  # the next step's rejection sampler finds them by request id
                 self._draft_probs, self._draft_prob_req_ids = probs, req_ids
+            return DraftTokenIds(list(req_ids), tokens)  # the rows of the step that drafted them
         return base_take(self)
 
     GPUModelRunner.__init__ = __init__
@@ -736,20 +743,23 @@ def attach_remote_drafter(llm, drafter) -> bool:
         raise ConfigError("engine.vllm_drafter", "no DSpark proposer waiting for a drafter actor in this process's "
                                                  "vLLM engine")
     proposer.attach(drafter)
-    proposer.overlap = proposer.overlap and _defer_draft_collection(_engine_core(llm))
+    proposer.overlap = proposer.overlap and _defer_draft_collection(_engine_core(llm), proposer)
     return proposer.overlap
 
 
-def _defer_draft_collection(core) -> bool:
+def _defer_draft_collection(core, proposer) -> bool:
     """The overlap of the drafter actor with vLLM's step. vLLM's engine core takes a step's drafts in
     ``EngineCore.post_step``, right after the scheduler has read the step's output and before the engine turns it
     into request outputs (detokenising, stop strings) and hands them to the caller (our serving loop streams them
     and admits new requests). Here it takes them just before it schedules the next step instead, so the actor
     drafts while all that runs. The scheduler sees the drafts at the same point of its cycle (before ``schedule``),
-    so what it schedules is unchanged; drafts of requests that finished meanwhile are dropped by its
-    ``update_draft_token_ids`` as before. When the engine has nothing left to schedule they are taken at once.
-    Instance attributes of this engine core (``step_fn``, ``post_step``) are wrapped; vLLM's classes are not."""
-    if core is None:
+    so what it schedules is unchanged; drafts of requests that finished or were aborted meanwhile are dropped by
+    its ``update_draft_token_ids`` as before. With nothing left to decode they are taken at once (no idle time in
+    flight). A step that failed after the proposer started its call (``post_step`` never ran) has its drafts taken
+    by the next one all the same. Only for the synchronous engine core (no batch queue, no async scheduling, whose
+    drafts travel otherwise); instance attributes of this engine core (``step_fn``, ``post_step``) are wrapped,
+    vLLM's classes are not."""
+    if core is None or getattr(core, "batch_queue", None) is not None or getattr(core, "async_scheduling", False):
         return False
     base_step, base_post = core.step_fn, core.post_step
     due = [False]  # a step ran whose drafts are not taken yet
@@ -760,11 +770,11 @@ def _defer_draft_collection(core) -> bool:
 
     def post_step(model_executed: bool) -> None:
         due[0] = due[0] or model_executed
-        if due[0] and not core.scheduler.has_requests():
+        if due[0] and not core.scheduler.has_unfinished_requests():
             take()
 
     def step_fn():
-        if due[0]:
+        if due[0] or proposer.drafts_in_flight:
             take()
         return base_step()
 
