@@ -16,6 +16,12 @@ this project's front door, ``dspark loadtest`` at concurrency 1, greedy) against
 Each vLLM system runs in its own process (its engine, its threads), one after another; tokens/s is completion
 tokens over wall time after one warm-up request. Greedy outputs are compared with vLLM plain's (exact engines
 agree up to kernel near-ties: ``tests/test_vllm_backend.py`` counts them).
+
+The full table (every system, 30 prompts x 256 tokens per set) takes about 5 h of a 2-core machine, longer than one
+working session, and a machine's caches do not outlive it. So a run may measure part of the systems (``--only``) and
+add itself to a runs file kept in git (``--runs docs/peers-runs.json``); vLLM plain, the baseline, is measured in
+every run, so each system's ratio is against the baseline of its own run, on its own machine, never across runs.
+``--combine`` renders the union: each system from the latest run that measured it, with that run's baseline.
 """
 
 from __future__ import annotations
@@ -357,22 +363,33 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
                        and r["temperature"] == "greedy")
         served["vs_offline_vllm_batch_1"] = served["tok_s"] / offline["tok_s"]
         served["vs_offline_beside"] = served["tok_s"] / served["offline_beside_tok_s"]
-    return {"machine": machine(), "dtype": dtype, "sets": sets, "per_set": per_set, "prompts": len(prompts),
+    return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "dtype": dtype, "sets": sets,
+            "per_set": per_set, "prompts": len(prompts),
             "max_tokens": max_tokens, "engine_cpus": engine_cpus, "served_engine_cpus": served_engine_cpus,
             "rows": rows, "served_vllm": served}
 
 
 def table(report: dict) -> str:
+    combined = report.get("combined", False)
     lines = [f"{report['prompts']} prompts ({', '.join(report['sets'])}, {report['per_set']} each) x up to "
              f"{report['max_tokens']} tokens, {report['dtype']}; {report['machine']}"
              + (f"; engines on cores {report['engine_cpus']} (one thread each), serve run and the load generator "
-                "on the others" if report.get("engine_cpus") else ""), "",
-             "| system | mode | decoding | tok/s | vs vLLM plain | τ (pooled) | greedy outputs equal to vLLM plain |",
-             "|---|---|---|---:|---:|---:|---:|"]
+                "on the others" if report.get("engine_cpus") else ""), ""]
+    if combined:
+        lines += ["Rows come from several runs (column *run*); each ratio and each equality count is against vLLM "
+                  "plain measured in the same run, on the same machine (its tokens/s in *run's vLLM plain*); "
+                  "tokens/s of different runs are not comparable.", "",
+                  "| system | run | mode | decoding | tok/s | run's vLLM plain tok/s | vs vLLM plain | τ (pooled) "
+                  "| greedy outputs equal to vLLM plain |", "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+    else:
+        lines += ["| system | mode | decoding | tok/s | vs vLLM plain | τ (pooled) | greedy outputs equal to vLLM "
+                  "plain |", "|---|---|---|---:|---:|---:|---:|"]
     for r in report["rows"]:
         equal = f"{r['greedy_equal_to_vllm_plain']}/{report['prompts']}" if "greedy_equal_to_vllm_plain" in r else ""
         tau = f"{r['tau']:.2f}" if r.get("tau") else ""
-        lines.append(f"| {r['system']} | {r['mode']} | {r['temperature']} | {r['tok_s']:.1f} | "
+        run = f" {r['run']} |" if combined else ""
+        base = f" {r['baseline_tok_s']:.1f} |" if combined else ""
+        lines.append(f"| {r['system']} |{run} {r['mode']} | {r['temperature']} | {r['tok_s']:.1f} |{base} "
                      f"{r['vs_vllm_plain']:.2f}x | {tau} | {equal} |")
     splits = {(r["system"], r["temperature"]): r["split"] for r in report["rows"] if r.get("split")}
     if splits:
@@ -391,6 +408,8 @@ def table(report: dict) -> str:
         return "\n".join(lines)
     cores = report.get("served_engine_cpus")
     twin = f" (its engine on the served engine's cores {cores}, one thread each)" if cores else ""
+    if combined:
+        lines += ["", f"The served path below is run {report['served_run']}'s."]
     lines += ["", "| served vLLM path (serve run, OpenAI API streaming, concurrency 1, greedy) | tok/s "
               "| served / that |",
               "|---|---:|---:|",
@@ -403,6 +422,49 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+SETTINGS = ("sets", "per_set", "max_tokens", "dtype")
+
+
+def add_run(runs_file: Path, report: dict) -> dict:
+    """``report`` (outputs already dropped) appended to ``runs_file``; returns the file's content."""
+    runs = json.loads(runs_file.read_text()) if runs_file.exists() else {"runs": []}
+    runs["runs"].append({k: v for k, v in report.items() if k != "markdown"})
+    runs_file.write_text(json.dumps(runs, indent=1) + "\n")
+    return runs
+
+
+def combine(runs: dict) -> dict:
+    """One report from several runs of the same settings (those of the latest run): each system's rows from the
+    latest run that measured it, their ratios (``vs_vllm_plain``) as measured against that run's own vLLM plain, the
+    served path from the latest run that served; ``run`` on each row indexes ``runs`` (1-based, as printed)."""
+    if not runs["runs"]:
+        raise SystemExit("no runs to combine")
+    latest = runs["runs"][-1]
+    same = [(i, r) for i, r in enumerate(runs["runs"], 1) if all(r.get(k) == latest.get(k) for k in SETTINGS)]
+    chosen: dict[str, int] = {}
+    for i, r in same:
+        for row in r["rows"]:
+            chosen[row["system"]] = i
+    rows, baseline = [], {}
+    for system, i in chosen.items():
+        run_rows = runs["runs"][i - 1]["rows"]
+        for row in run_rows:
+            if row["system"] == system:
+                base = next(x for x in run_rows if x["system"] == "vLLM plain" and x["mode"] == row["mode"]
+                            and x["temperature"] == row["temperature"])
+                rows.append({**row, "run": i, "baseline_tok_s": base["tok_s"]})
+                baseline[i] = True
+    served = next(((i, r["served_vllm"]) for i, r in reversed(same) if r.get("served_vllm")), None)
+    used = sorted(set(baseline) | ({served[0]} if served else set()))
+    return {**{k: latest[k] for k in SETTINGS}, "prompts": latest["prompts"], "combined": True,
+            "runs": {i: {k: runs["runs"][i - 1].get(k) for k in ("date", "machine", "engine_cpus",
+                                                                  "served_engine_cpus")} for i in used},
+            "rows": rows, "served_vllm": served[1] if served else None, "served_run": served[0] if served else None,
+            "engine_cpus": None, "served_engine_cpus": served and runs["runs"][served[0] - 1].get("served_engine_cpus"),
+            "machine": "; ".join(f"run {i}: {runs['runs'][i - 1].get('date', '?')}, "
+                                 f"{runs['runs'][i - 1]['machine']}" for i in used)}
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -412,14 +474,17 @@ def plot(report: dict, path: Path) -> None:
     systems = list(dict.fromkeys(r["system"] for r in report["rows"]))
     panels = [(m, t) for m in ("batch 1", f"concurrency {CONCURRENCY}") for t in TEMPERATURES]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4), sharey=False)
+    key = "vs_vllm_plain" if report.get("combined") else "tok_s"  # tokens/s of different runs do not compare
     for ax, (mode, temp) in zip(axes, panels):
-        values = [next((r["tok_s"] for r in report["rows"] if r["system"] == s and r["mode"] == mode
+        values = [next((r[key] for r in report["rows"] if r["system"] == s and r["mode"] == mode
                         and r["temperature"] == temp), 0.0) for s in systems]
         ax.barh(range(len(systems)), values, color=[f"C{i}" for i in range(len(systems))])
         ax.set_yticks(range(len(systems)), systems if ax is axes[0] else [""] * len(systems), fontsize=7)
         ax.invert_yaxis()
         ax.set_title(f"{mode}, {temp}", fontsize=9)
-        ax.set_xlabel("output tokens/s")
+        ax.set_xlabel("x vLLM plain of the same run" if key == "vs_vllm_plain" else "output tokens/s")
+        if key == "vs_vllm_plain":
+            ax.axvline(1.0, color="grey", linewidth=0.8)
     fig.suptitle(f"Peers: {report['prompts']} prompts x {report['max_tokens']} tokens, {report['dtype']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -443,9 +508,17 @@ def main(argv: list[str] | None = None) -> int:
                         "engine only (runtime.engine_cpus) and its offline twin; the other rows on all cores")
     parser.add_argument("--resume", action="store_true", help="read back the systems an interrupted run with the "
                         "same settings finished on this machine (WORK/peers-partial.json)")
+    parser.add_argument("--runs", default=None, help="a runs file (docs/peers-runs.json) to add this run to; "
+                        "--out/--plot then render the runs combined")
+    parser.add_argument("--combine", action="store_true", help="measure nothing: render --runs combined into "
+                        "--out/--plot")
     parser.add_argument("--only", default=None, help="comma-separated parts of system names to run (vLLM plain "
                                                      "always runs; 'served' for the served path); default: all")
     args = parser.parse_args(argv)
+    if args.combine:
+        if not args.runs:
+            parser.error("--combine needs --runs")
+        return _write(combine(json.loads(Path(args.runs).read_text())), args)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     report = run(Path(args.config), args.sets.split(","), args.per_set, args.max_tokens, args.dtype, work,
@@ -453,6 +526,13 @@ def main(argv: list[str] | None = None) -> int:
                  [int(c) for c in args.engine_cpus.split(",")] if args.engine_cpus else None,
                  [int(c) for c in args.served_engine_cpus.split(",")] if args.served_engine_cpus else None,
                  args.resume)
+    if args.runs:
+        print(table(report) + "\n")  # this run alone, then the runs file combined
+        report = combine(add_run(Path(args.runs), report))
+    return _write(report, args)
+
+
+def _write(report: dict, args) -> int:
     report["markdown"] = table(report)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     plot(report, Path(args.plot))
