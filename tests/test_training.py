@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -246,8 +247,9 @@ def test_recipe_end_to_end(tmp_path):
 
 def test_the_target_cache_is_memory_mapped_shard_by_shard(tmp_path, tiny_target):
     """``load_target_cache`` maps the shards' tensors (no copy into RAM: a cache larger than memory still trains)
-    and reads exactly what the shards hold; a lookup reads the rows of one sequence, which lie in one shard, and a
-    lookup across shards is refused."""
+    and reads exactly what the shards hold; a slice reads the rows of one sequence, which lie in one shard, and a
+    slice across shards is refused; rows picked across shards (sequences packed into one block pass) are gathered
+    shard by shard; ``to(device)`` makes each tensor one."""
     from safetensors.torch import load_file
 
     from dspark.training.target_cache import build_target_cache, load_target_cache
@@ -266,6 +268,39 @@ def test_the_target_cache_is_memory_mapped_shard_by_shard(tmp_path, tiny_target)
         assert torch.equal(cache.final_hidden[index], torch.cat([s["final_hidden"] for s in shards])[index])
     with pytest.raises(IndexError, match="one shard"):
         cache.features[cache.offsets[0]: cache.offsets[-1]]
+    across = torch.tensor([[cache.offsets[-1] - 1, 0], [cache.offsets[2] + 1, cache.offsets[4]]])
+    assert torch.equal(cache.features[across], features[across])
+    whole = cache.to("cpu")
+    assert len(whole.features.parts) == 1 and torch.equal(whole.features[across], features[across])
+    assert torch.equal(whole.features[0:cache.offsets[-1]], features)
+
+
+def test_sequences_packed_into_one_block_pass_give_each_sequence_its_own_results(tmp_path, tiny_target):
+    """``block_forward`` over several sequences at once (a GPU's packing: contexts concatenated, each block seeing
+    its own sequence strictly before its anchor) gives what one pass per sequence gives, anchors for anchors,
+    also when the sequences lie in different shards."""
+    from dspark.model.draft_model import DSparkDraft
+    from dspark.testing import tiny_draft_config
+    from dspark.training.target_cache import build_target_cache, load_target_cache
+    from dspark.training.trainer import block_forward
+
+    draft_cfg = tiny_draft_config(tiny_target.config)
+    rows = [{"prompt_ids": [5 + i, 6, 7], "response_ids": list(range(20 + i, 32 + 5 * i))} for i in range(5)]
+    build_target_cache(tiny_target, rows, draft_cfg.target_layer_ids, tmp_path, shard_tokens=40)
+    cache = load_target_cache(tmp_path)
+    assert len(cache.features.parts) > 1
+    torch.manual_seed(0)
+    draft = DSparkDraft(draft_cfg)
+    draft.bind_target(tiny_target.embed_tokens, tiny_target.lm_head)
+    seqs = [3, 0, 4, 1]
+    rng = random.Random(7)
+    one = [block_forward(draft, tiny_target, cache, [seq], 6, rng) for seq in seqs]
+    packed = block_forward(draft, tiny_target, cache, seqs, 6, random.Random(7))
+    for k, (separate, together) in enumerate(zip(zip(*one), packed)):
+        separate = torch.cat(separate)
+        assert separate.shape == together.shape, k
+        assert torch.allclose(separate.double(), together.double(), atol=1e-5), k
+    assert packed[0].shape[0] == sum(len(part[0]) for part in one) > 12
 
 
 def test_the_cached_logsumexp_gives_the_full_softmax_over_the_draft_vocabulary(tmp_path, tiny_target):
@@ -436,3 +471,39 @@ def test_a_compiled_block_pass_trains_the_head_the_eager_one_trains(tmp_path, ti
     assert any(not torch.equal(value, start[key]) for key, value in eager_state.items())  # it did train
     for key, value in eager_state.items():
         assert torch.allclose(fast_state[key].float(), value.float(), atol=1e-4), key
+
+
+def test_the_gpu_recipe_path_on_this_cpu_transformers_responses_a_prompts_file_and_packed_training(tmp_path):
+    """The recipe as a GPU machine runs it (``data.engine: transformers``, ``data.prompts_file`` made by
+    ``write_prompts_file``, ``train.pack_sequences``), here on the CPU: prompts come from the file in its order,
+    greedy rows equal the native engine's token for token (fp32), every row has a response, and packed training
+    runs, records its curve and exports."""
+    from dspark.training.dataset import read_rows, write_prompts_file
+
+    target_dir = make_tiny_target(tmp_path / "target", stdlib_texts(20), vocab_size=400, num_layers=4)
+    prompts = decontaminate(build_prompts(8), PROMPT_SETS_DIR)
+    write_prompts_file(tmp_path / "prompts.jsonl", prompts)
+    rows = {}
+    for engine in ("native", "transformers"):
+        cfg = TrainFileConfig(
+            target_path=str(target_dir), work_dir=str(tmp_path / engine), output_dir=str(tmp_path / f"draft-{engine}"),
+            data={"num_prompts": 1, "max_tokens": 20, "batch": 4, "engine": engine, "dtype": "float32",
+                  "prompts_file": str(tmp_path / "prompts.jsonl")},
+            draft={"num_layers": 1, "target_layer_ids": [0, 2, 3], "block_size": 4, "markov_rank": 16,
+                   "mask_token_id": 3},
+            train={"steps": 6, "seqs_per_step": 6, "anchors_per_seq": 4, "pack_sequences": 3, "eval_every": 3})
+        stages = ("data",) if engine == "native" else ("data", "cache", "train", "export")
+        logs = []
+        summary = run_recipe(cfg, resolve=Path, stages=stages, log=logs.append)
+        rows[engine] = read_rows(tmp_path / engine / "responses.jsonl")
+        assert any(f"{len(prompts)} prompts from" in line for line in logs)
+    assert len(rows["native"]) == len(prompts) > 4
+    assert [r["prompt_ids"] for r in rows["transformers"]] == [r["prompt_ids"] for r in rows["native"]]
+    greedy = range(0, len(prompts), 2)  # generate_responses: even prompts greedy, odd ones T=1 / top-p 0.95
+    assert all(rows["transformers"][i]["response_ids"] == rows["native"][i]["response_ids"] for i in greedy)
+    assert all(rows["transformers"][i]["response_ids"] for i in range(len(prompts)))
+    assert summary["train"]["steps"] == 6
+    curve_file = tmp_path / "transformers" / "train" / "curve.jsonl"
+    curve = [json.loads(line) for line in curve_file.read_text().splitlines()]
+    assert [p["step"] for p in curve] == [0, 3, 6]
+    assert (tmp_path / "draft-transformers" / "model.safetensors").is_file()

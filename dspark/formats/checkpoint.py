@@ -253,7 +253,7 @@ def save_draft(model: DSparkDraft, path: str | Path, dtype: torch.dtype | None =
     path.mkdir(parents=True, exist_ok=True)
     layout = layout or draft_layout(model.config)
     (path / "config.json").write_text(json.dumps(draft_config_to_json(model.config, layout), indent=2) + "\n")
-    state = {_disk_name(k, layout): v.detach().to((dtype or v.dtype) if v.is_floating_point() else v.dtype)
+    state = {_disk_name(k, layout): v.detach().cpu().to((dtype or v.dtype) if v.is_floating_point() else v.dtype)
              .contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
 

@@ -292,6 +292,16 @@ def decontaminate(prompts: list[str], benchmark_dir: Path) -> list[str]:
     return [p for p in prompts if not (_ngrams(p) & banned)]
 
 
+def write_prompts_file(path: Path, prompts: list[str]) -> None:
+    """Prompts as JSONL (``{"prompt": text}`` per line): the mix made here, for a machine that reads it
+    (``data.prompts_file``)."""
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+
+
+def read_prompts_file(path: Path) -> list[str]:
+    return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+
+
 def read_rows(path: Path) -> list[dict]:
     """The rows of a responses file. A run killed mid-write can leave a last line cut short: it is dropped from
     the file (its prompt is generated again), every complete row is kept."""

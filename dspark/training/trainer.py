@@ -44,6 +44,7 @@ class TrainConfig:
     eval_sequences: int = 64  # held-out sequences each curve point reads (the first of the held-out split)
     autocast_bf16: bool = False  # the draft's forward under bf16 autocast (the target's distributions stay fp32)
     compile: bool = False  # the draft's block pass through torch.compile (dynamic shapes) while training
+    pack_sequences: int = 1  # sequences per block pass (block_forward): 1 on CPUs, many on GPUs
 
 
 def init_from_target(draft: DSparkDraft, target: TargetModel) -> None:
@@ -104,7 +105,9 @@ def init_from_draft(draft: DSparkDraft, start: DSparkDraft, target: TargetModel,
                     param.zero_()
 
 
-def _batch(cache: TargetCache, seq: int, anchors: int, block: int, rng: random.Random):
+def _anchors(cache: TargetCache, seq: int, anchors: int, block: int, rng: random.Random):
+    """Random anchors of sequence ``seq`` among its response tokens (absolute indices [A]), the absolute index of the
+    token each block position predicts [A, G] and whether it is inside the sequence [A, G]; None: too short."""
     start, end = cache.offsets[seq], cache.offsets[seq + 1]
     first = max(cache.response_starts[seq] - 1, start + 1)  # the anchor may be the last prompt token
     last = end - 2  # at least one label after the anchor
@@ -115,22 +118,32 @@ def _batch(cache: TargetCache, seq: int, anchors: int, block: int, rng: random.R
     label_index = anchor[:, None] + 1 + torch.arange(block)[None, :]  # [A, G]
     valid = label_index < end
     label_index = label_index.clamp(max=end - 1)
-    return start, end, anchor, label_index, valid
+    return anchor, label_index, valid
 
 
-def block_forward(draft: DSparkDraft, target: TargetModel, cache: TargetCache, seq: int, anchors: int,
+def block_forward(draft: DSparkDraft, target: TargetModel, cache: TargetCache, seqs: list[int], anchors: int,
                   rng: random.Random):
-    """Draft logits, confidences, target distributions and labels for the anchors of one sequence."""
+    """Draft logits, confidences, target distributions and labels for the anchors of the sequences ``seqs``, in
+    one block pass: their contexts concatenated into one row [1, T, D] that every block attends to through its
+    visibility mask (its own sequence, strictly before its anchor; positions count from each sequence's start).
+    One sequence per pass is cheapest where compute is the limit (a CPU: a block attends to T keys of its own
+    sequence only); a GPU, where launches are the limit, packs many (``TrainConfig.pack_sequences``)."""
     block = draft.config.block_size
-    picked = _batch(cache, seq, anchors, block, rng)
-    if picked is None:
+    picked = [(seq, p) for seq in seqs if (p := _anchors(cache, seq, anchors, block, rng)) is not None]
+    if not picked:
         return None
-    start, end, anchor, label_index, valid = picked
-    context = draft.fuse(cache.features[start:end].float())[None]  # [1, T, D]
-    ctx_pos = torch.arange(end - start)[None]
-    ctx_valid = torch.arange(end - start)[None, :] < (anchor - start)[:, None]  # strictly before the anchor
-    block_ids, block_pos = draft.block_inputs(cache.tokens[anchor], anchor - start, block)
-    hidden = draft.predicting(draft.backbone(block_ids, block_pos, context, ctx_pos, None, None,
+    spans = [(cache.offsets[seq], cache.offsets[seq + 1]) for seq, _ in picked]
+    anchor, label_index, valid = (torch.cat(x) for x in zip(*(p for _, p in picked)))  # [A], [A, G], [A, G]
+    anchor_seq = torch.cat([torch.full((len(p[0]),), k) for k, (_, p) in enumerate(picked)])  # [A] its span
+    starts = torch.tensor([a for a, _ in spans])[anchor_seq]  # [A] first row of each anchor's sequence
+    features = cache.features[spans[0][0]:spans[0][1]] if len(spans) == 1 else \
+        torch.cat([cache.features[a:b] for a, b in spans])
+    context = draft.fuse(features.float())[None]  # [1, T, D]
+    ctx_pos = torch.cat([torch.arange(b - a) for a, b in spans])  # [T] position inside its own sequence
+    ctx_seq = torch.cat([torch.full((b - a,), k) for k, (a, b) in enumerate(spans)])  # [T]
+    ctx_valid = (ctx_seq[None, :] == anchor_seq[:, None]) & (ctx_pos[None, :] < (anchor - starts)[:, None])
+    block_ids, block_pos = draft.block_inputs(cache.tokens[anchor], anchor - starts, block)
+    hidden = draft.predicting(draft.backbone(block_ids, block_pos, context, ctx_pos[None], None, None,
                                              context_valid=ctx_valid))
     base = draft.base_logits(hidden)
     prev = torch.cat((cache.tokens[anchor][:, None], cache.tokens[label_index[:, :-1]]), dim=1)
@@ -139,6 +152,11 @@ def block_forward(draft: DSparkDraft, target: TargetModel, cache: TargetCache, s
     with torch.no_grad(), torch.autocast(context.device.type, enabled=False):  # the target's distributions in fp32
         target_probs, outside, labels = target_distributions(draft, target, cache, label_index, labels)
     return logits, conf_logits, target_probs, labels, valid, outside
+
+
+def packs(seqs: list[int], size: int) -> list[list[int]]:
+    """``seqs`` in groups of ``size`` (the block passes of one step)."""
+    return [seqs[i: i + size] for i in range(0, len(seqs), size)]
 
 
 def target_distributions(draft: DSparkDraft, target: TargetModel, cache: TargetCache, label_index: torch.Tensor,
@@ -253,8 +271,9 @@ def train(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: Trai
                 group["lr"] = cfg.lr * schedule(step)
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-                parts = [block_forward(draft, target, cache, s, cfg.anchors_per_seq, rng)
-                         for s in rng.sample(train_seqs, min(cfg.seqs_per_step, len(train_seqs)))]
+                parts = [block_forward(draft, target, cache, group, cfg.anchors_per_seq, rng)
+                         for group in packs(rng.sample(train_seqs, min(cfg.seqs_per_step, len(train_seqs))),
+                                            cfg.pack_sequences)]
             parts = [p for p in parts if p is not None]
             logits, conf, tprobs, labels, valid, outside = (torch.cat(x) for x in zip(*parts))
             terms = dspark_loss(logits.float(), conf.float(), tprobs, labels, valid, target_outside=outside)
@@ -317,8 +336,8 @@ def heldout_statistics(draft: DSparkDraft, target: TargetModel, cache: TargetCac
     saved = draft.confidence_temperatures.clone()
     draft.confidence_temperatures.fill_(1.0)
     conf, accept, valid = [], [], []
-    for seq in heldout:
-        part = block_forward(draft, target, cache, seq, anchors, rng)
+    for group in packs(heldout, cfg.pack_sequences):
+        part = block_forward(draft, target, cache, group, anchors, rng)
         if part is None:
             continue
         logits, conf_logits, tprobs, _, ok, outside = part
