@@ -231,6 +231,9 @@ def train(draft: DSparkDraft, target: TargetModel, cache: TargetCache, cfg: Trai
     for p in target.parameters():
         p.requires_grad_(False)
     train_seqs, _ = cache.split(cfg.heldout_fraction, cfg.seed)
+    if not train_seqs:
+        raise ConfigError("data", f"the target cache holds {len(cache)} sequence(s), all of them held out: too few "
+                                  "to train on (generate more responses)")
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, total = 0, cfg.steps  # total: the step count the learning-rate schedule decays over
