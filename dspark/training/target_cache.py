@@ -70,8 +70,12 @@ class ShardRows:
         return out
 
     def to(self, device: torch.device | str) -> ShardRows:
-        """All rows as one tensor on ``device`` (a GPU holds a multi-GB cache; lookups may then span sequences)."""
-        return ShardRows([torch.cat(self.parts).to(device)])
+        """All rows as one tensor on ``device`` (a GPU holds a multi-GB cache; lookups may then span sequences),
+        copied part by part (no second whole copy in host memory)."""
+        whole = torch.empty(self.shape, dtype=self.dtype, device=device)
+        for part, start in zip(self.parts, self.starts):
+            whole[start: start + len(part)].copy_(part)
+        return ShardRows([whole])
 
 
 def mapped_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -162,7 +166,7 @@ def build_target_cache(target: TargetModel, rows: list[dict], layer_ids: tuple[i
             continue
         ids = torch.tensor(row["prompt_ids"] + row["response_ids"])[:4000]
         cache.allocator.reserve(0, len(ids))
-        meta = cache.allocator.metadata([0], [0], [len(ids)])
+        meta = cache.allocator.metadata([0], [0], [len(ids)], device=ids.device)
         out = target(ids[None], torch.arange(len(ids))[None], cache, meta, logits_at=torch.zeros(1, 1,
                      dtype=torch.long), feature_layers=wanted)
         cache.allocator.free(0)

@@ -5,7 +5,9 @@ It takes requests as the native engine and ``VllmEngine`` do (``add_request`` / 
 ``dspark.training.dataset.generate_responses`` drives it unchanged; each ``step`` generates one batch of queued
 requests to the end. Requests of one batch share their sampling values (greedy and sampled requests go in separate
 batches) and a batch's sampling is seeded by its first request's seed: responses are training data, not a
-reproduction of per-request seeds. Prompts are left-padded; a response ends at (and keeps) its first end token.
+reproduction of per-request seeds. Sampling is temperature and top-p alone (``top_k: 0`` overrides transformers'
+default of 50), as the other engines sample. Prompts are left-padded; a response ends at (and keeps) its first end
+token.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class TransformersEngine:
         pad = self.eos_ids[0]
         ids = torch.tensor([[pad] * (width - len(p)) + p for _, p, _ in taken], device=self.device)  # [B, width]
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p, _ in taken], device=self.device)
-        sampling = ({"do_sample": True, "temperature": params.temperature, "top_p": params.top_p}
+        sampling = ({"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
                     if params.temperature > 0 else {"do_sample": False})
         torch.manual_seed(params.seed if params.seed is not None else 0)
         out = self.model.generate(ids, attention_mask=mask, max_new_tokens=params.max_tokens,
