@@ -124,7 +124,10 @@ class FeatureChannel:
     """Rank 0 (target shard 0) sends packed committed-position features to rank 1 (the drafter).
 
     Each message is a header ``[rows, width]`` then the ``[rows, width]`` payload. Sends are
-    non-blocking (the target goes on verifying); the tensors stay referenced until delivered.
+    non-blocking (the target goes on verifying); the tensors stay referenced until delivered. A gloo send's
+    ``Work`` never reports completion by itself (``is_completed()`` stays False until ``wait()``), so the sender
+    learns delivery from the protocol: :meth:`delivered` releases the oldest messages once the peer has received
+    them (their ``wait()`` then returns at once).
     """
 
     group: dist.ProcessGroup
@@ -136,7 +139,6 @@ class FeatureChannel:
     def send(self, features: torch.Tensor) -> None:
         # features: [rows, width]
         start = time.perf_counter()
-        self._in_flight = [(w, t) for w, t in self._in_flight if not w.is_completed()]
         payload = features.to(self.dtype).contiguous()
         header = torch.tensor(payload.shape, dtype=torch.long, device=self.device)
         for tensor in (header, payload):
@@ -152,6 +154,18 @@ class FeatureChannel:
         self.group.recv([payload], 0, FEATURE_TAG).wait()
         self._count(payload, time.perf_counter() - start)
         return payload
+
+    @property
+    def undelivered(self) -> int:
+        """Messages sent and not yet released by :meth:`delivered` (or :meth:`flush`)."""
+        return len(self._in_flight) // 2
+
+    def delivered(self, messages: int) -> None:
+        """The peer has received the oldest ``messages`` messages: release their buffers."""
+        done = self._in_flight[: 2 * messages]  # header and payload of each
+        for work, _ in done:
+            work.wait()  # delivered: returns at once
+        del self._in_flight[: 2 * messages]
 
     def flush(self) -> None:
         for work, _ in self._in_flight:

@@ -116,7 +116,8 @@ if __name__ == "__main__":
         from dspark.schema import EngineFileConfig
 
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
-        attach_remote_drafter(llm, DrafterActorHost(EngineFileConfig(**request["drafter_actor"])))
+        host = DrafterActorHost(EngineFileConfig(**request["drafter_actor"]))
+        attach_remote_drafter(llm, host)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     params = [SamplingParams(**p) for p in request["params"]]
     params = params * len(prompts) if len(params) == 1 else params
@@ -134,4 +135,7 @@ if __name__ == "__main__":
             after.update(timing.counts)
         runs.append({"outputs": [list(o.outputs[0].token_ids) for o in outs], "spec": since(spec_counters(llm), spec),
                      "proposer": since(after, proposer or {}) if after is not None else None})
-    print(json.dumps({"runs": runs}))
+    channel = None
+    if request.get("drafter_actor"):  # the feature channel's messages: sent, and held by the host undelivered
+        channel = {"sent": host.sent.messages, "undelivered": host.remote.channel.undelivered}
+    print(json.dumps({"runs": runs, "channel": channel}))
