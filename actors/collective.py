@@ -157,20 +157,16 @@ class FeatureChannel:
 
     @property
     def undelivered(self) -> int:
-        """Messages sent and not yet released by :meth:`delivered` (or :meth:`flush`)."""
+        """Messages sent and not yet released by :meth:`delivered`."""
         return len(self._in_flight) // 2
 
-    def delivered(self, messages: int) -> None:
-        """The peer has received the oldest ``messages`` messages: release their buffers."""
-        done = self._in_flight[: 2 * messages]  # header and payload of each
-        for work, _ in done:
+    def delivered(self, through: int) -> None:
+        """The peer has received every message up to the ``through``-th sent (``counters.messages`` when a call it
+        answers was made): release their buffers."""
+        done = max(len(self._in_flight) // 2 - (self.counters.messages - through), 0)  # the oldest ones
+        for work, _ in self._in_flight[: 2 * done]:  # header and payload of each
             work.wait()  # delivered: returns at once
-        del self._in_flight[: 2 * messages]
-
-    def flush(self) -> None:
-        for work, _ in self._in_flight:
-            work.wait()
-        self._in_flight = []
+        del self._in_flight[: 2 * done]
 
     def _count(self, payload: torch.Tensor, seconds: float) -> None:
         self.counters.messages += 1

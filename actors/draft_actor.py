@@ -155,7 +155,7 @@ class RemoteDrafter:
     _released: list = field(default_factory=list)
     _ingest: list = field(default_factory=list)
     _seeded: set = field(default_factory=set)
-    _messages: dict = field(default_factory=dict)  # call -> feature messages it makes the actor receive
+    _messages: dict = field(default_factory=dict)  # call -> messages sent before it (the actor receives them)
 
     def can_start(self, request: Request) -> bool:
         return True  # same token budget as the target's cache, whose reservation is checked first
@@ -183,10 +183,10 @@ class RemoteDrafter:
     def _call(self, inputs: DraftInputs, sampling: SamplingTensors, seeds: dict[int, int] | None = None):
         call = DraftCall(self._started, self._released, self._ingest, inputs, sampling.temperature, sampling.top_p,
                          sampling.top_k, seeds or {})
-        messages = len(self._ingest) if self.channel is not None else 0  # one message per ingest entry
         self._started, self._released, self._ingest = [], [], []
         ref = self.actor.propose.remote(call)
-        self._messages[ref] = messages
+        if self.channel is not None:
+            self._messages[ref] = self.channel.counters.messages
         return ref
 
     # the sequence interface (StepDrafter's drafter)
@@ -220,11 +220,12 @@ class RemoteDrafter:
         return proposal
 
     def result(self, ref) -> DraftProposal | None:
-        messages = self._messages.pop(ref, 0)
+        sent = self._messages.pop(ref, None)
         try:
             proposal, self.last_timing = ray.get(ref, timeout=self.timeout_s)
-            if messages:
-                self.channel.delivered(messages)  # the call received them before drafting
+            if sent is not None:  # the call received every message sent before it (an earlier call's too)
+                self.channel.delivered(sent)
+                self._messages = {r: n for r, n in self._messages.items() if n > sent}  # calls abandoned before it
             return proposal
         except (ray.exceptions.RayError, TimeoutError):
             self.available = False
