@@ -155,6 +155,8 @@ class RemoteDrafter:
     _released: list = field(default_factory=list)
     _ingest: list = field(default_factory=list)
     _seeded: set = field(default_factory=set)
+    received: int = 0  # feature messages the actor is known to have received (those before its last answered call)
+    _queued: int = 0  # feature messages named in calls made so far (one per ``commit``, in send order)
     _messages: dict = field(default_factory=dict)  # call -> messages sent before it (the actor receives them)
 
     def can_start(self, request: Request) -> bool:
@@ -183,10 +185,10 @@ class RemoteDrafter:
     def _call(self, inputs: DraftInputs, sampling: SamplingTensors, seeds: dict[int, int] | None = None):
         call = DraftCall(self._started, self._released, self._ingest, inputs, sampling.temperature, sampling.top_p,
                          sampling.top_k, seeds or {})
+        self._queued += len(self._ingest)
         self._started, self._released, self._ingest = [], [], []
         ref = self.actor.propose.remote(call)
-        if self.channel is not None:
-            self._messages[ref] = self.channel.counters.messages
+        self._messages[ref] = self._queued
         return ref
 
     # the sequence interface (StepDrafter's drafter)
@@ -224,7 +226,9 @@ class RemoteDrafter:
         try:
             proposal, self.last_timing = ray.get(ref, timeout=self.timeout_s)
             if sent is not None:  # the call received every message sent before it (an earlier call's too)
-                self.channel.delivered(sent)
+                self.received = max(self.received, sent)
+                if self.channel is not None:  # this process sends: release them here (else the sender is told)
+                    self.channel.delivered(sent)
                 self._messages = {r: n for r, n in self._messages.items() if n > sent}  # calls abandoned before it
             return proposal
         except (ray.exceptions.RayError, TimeoutError):

@@ -200,6 +200,8 @@ class Router(Engine):
     def step(self) -> list[RequestOutput]:
         if self.drafter is not None and not self.drafter.available:
             self._recover_drafter()
+        if self.drafter is not None:  # the feature shard releases what the drafter has received
+            self.target.features_delivered = self.drafter.received
         return super().step()
 
     def _schedule(self):

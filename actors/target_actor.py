@@ -91,10 +91,14 @@ class TargetShard:
         self.channel, self._channel_host = None, None
 
     # ---------------------------------------------------------------- work
-    def run(self, batch: VerifyBatch) -> VerifyOutput | None:
+    def run(self, batch: VerifyBatch, delivered: int = 0) -> VerifyOutput | None:
+        """One verify pass; ``delivered``: the feature messages the drafter has received so far (the router learns
+        it from the drafter's answers), whose buffers the channel can now release."""
         start = time.perf_counter()
         output = self.runner.run(batch.to(self.device))
         self.run_seconds += time.perf_counter() - start
+        if self.channel is not None:
+            self.channel.delivered(delivered)
         if self.channel is not None and bool(batch.want_features.any()):
             try:
                 self.channel.send(output.packed_features(batch.want_features.to(self.device)))
@@ -113,6 +117,7 @@ class TargetShard:
     def stats(self) -> dict:
         counters = self.channel.counters if self.channel else TransportCounters()
         return {"rank": self.rank, "channel": counters.as_dict(), "channel_errors": self.channel_errors,
+                "undelivered": self.channel.undelivered if self.channel else 0,
                 "run_seconds": self.run_seconds, "checkpoint_bytes_read": self.checkpoint_bytes_read}
 
     def ping(self) -> bool:
@@ -135,10 +140,12 @@ class RemoteTarget:
         num_blocks = max(engine.kv_cache_tokens // engine.kv_block_size, 1) + 1  # as PagedKVCache
         self.allocator = BlockAllocator(num_blocks, engine.kv_block_size)
         self.returned_feature_bytes = 0  # hidden-state bytes that came back through Ray (0 by design)
+        self.features_delivered = 0  # feature messages the drafter has received (the router sets it), for shard.run
 
     def run(self, batch: VerifyBatch) -> VerifyOutput:
         arg = ray.put(batch) if len(self.shards) > 1 else batch  # one serialisation for all shards
-        output = ray.get([shard.run.remote(arg) for shard in self.shards], timeout=self.timeout_s)[0]
+        output = ray.get([shard.run.remote(arg, self.features_delivered) for shard in self.shards],
+                         timeout=self.timeout_s)[0]
         if output.features is not None:
             self.returned_feature_bytes += output.features.numel() * output.features.element_size()
         return output

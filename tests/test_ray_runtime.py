@@ -80,6 +80,8 @@ def test_hidden_states_travel_by_the_collective_channel(ray_cluster, tiny_target
     # what the shard actors return to the router carries no hidden states
     assert stats["object_store_feature_bytes"] == 0 and stats["target"]["channel_errors"] == 0
     assert stats["target"]["rank"] == router.feature_shard
+    # the shard releases each message once the drafter has answered a call made after it: only the last few stay
+    assert sent["messages"] > 10 and stats["target"]["undelivered"] <= 4, (sent, stats["target"]["undelivered"])
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
