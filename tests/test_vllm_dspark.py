@@ -222,6 +222,16 @@ def test_sampled_output_has_the_target_distribution(tiny, exact):
     assert p > 1e-3
 
 
+def test_a_bf16_draft_beside_an_fp32_target_keeps_the_target_distribution(tiny, exact):
+    """``draft.dtype`` bf16 with an fp32 target: the proposer drafts with a bf16 copy of the target's LM head (the
+    fast GEMM where bf16 is native); verification keeps the output the target's."""
+    model, args, root = tiny
+    options = {**args["additional_config"]["dspark"], "dtype": "bfloat16"}
+    counts, run = sampled_counts((model, {**args, "additional_config": {"dspark": options}}, root), broken=False)
+    assert run["spec"]["drafts"] > N // 2 and run["spec"]["accepted"] > 0
+    assert chi_square_p(counts, exact) > 1e-3
+
+
 def test_the_test_catches_wrong_draft_probabilities(tiny, exact):
     """The proposer samples its drafts from one distribution and reports another (uniform): no longer lossless."""
     counts, _ = sampled_counts(tiny, broken=True)
