@@ -99,12 +99,12 @@ class TargetShard:
         self.run_seconds += time.perf_counter() - start
         if self.channel is not None:
             self.channel.delivered(delivered)
-        if self.channel is not None and bool(batch.want_features.any()):
-            try:
-                self.channel.send(output.packed_features(batch.want_features.to(self.device)))
-            except RuntimeError:  # the drafter died mid-transfer; the router notices on its side
-                self.channel_errors += 1
-                self.drop_channel()
+            if bool(batch.want_features.any()):
+                try:
+                    self.channel.send(output.packed_features(batch.want_features.to(self.device)))
+                except RuntimeError:  # the drafter died mid-transfer; the router notices on its side
+                    self.channel_errors += 1
+                    self.drop_channel()
         if self.rank != 0:
             return None
         result = output.result
