@@ -65,9 +65,10 @@ class DraftWorker:
         use_gpu = runtime.drafter_gpus > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
         self.config = config
-        target_cfg, embed, lm_head = load_target_head(config.resolve(config.target.path), config.target.dtype)
+        # the target's embedding and LM head read in the draft's dtype: what the draft computes in (bind_target)
+        target_cfg, embed, lm_head = load_target_head(config.resolve(config.target.path), config.draft.dtype)
         draft = load_draft(config.resolve(config.draft.path), target_cfg, DTYPES[config.draft.dtype])
-        draft.bind_target(embed.to(self.device), lm_head.to(self.device))
+        draft.bind_target(embed.to(self.device), lm_head.to(self.device), head_in_draft_dtype=True)
         engine = config.engine.to_core(config.target.dtype)
         self.drafter = DSparkDrafter(draft.to(self.device), engine.kv_cache_tokens, engine.kv_block_size,
                                      engine.draft_top_k, engine.block_size)

@@ -4,14 +4,13 @@ Systems: vLLM plain, vLLM + prompt lookup (its ``ngram`` proposer), vLLM + this 
 vLLM plugin, ``engine.vllm_speculation: dspark_plugin``, with the config's gate and scheduler), the same with the
 head in the drafter actor (``engine.vllm_drafter: actor``: hidden states over gloo), this project's native
 engine plain and with the DSpark head (the embedded default's engine settings: confidence scheduler, draft gate),
-``transformers``
-``generate``; each at batch 1 (one request at a time) and at concurrency 8 (eight requests decoded together: vLLM's
+``transformers`` ``generate``; each at batch 1 (one request at a time) and at concurrency 8 (eight requests decoded together: vLLM's
 and the native engine's schedulers; ``transformers`` as left-padded batches of 8), greedy and at T=1 / top-p 0.95
 (seeded per request). Then the served vLLM path (``serve run`` with ``engine.backend: vllm``, the OpenAI API through
 this project's front door, ``dspark loadtest`` at concurrency 1, greedy) against offline vLLM at batch 1.
 
     python -m benchmarks.peers [--sets humaneval,gsm8k] [--per-set 30] [--max-tokens 256] [--dtype auto]
-        [--only DSpark,ngram,served] [--out peers.json] [--plot peers.png]
+        [--draft-dtype bfloat16] [--only DSpark,ngram,served] [--out peers.json] [--plot peers.png]
 
 Each vLLM system runs in its own process (its engine, its threads), one after another; tokens/s is completion
 tokens over wall time after one warm-up request. Greedy outputs are compared with vLLM plain's (exact engines
@@ -88,7 +87,7 @@ def _pin(cpus: list[int]) -> None:
 # ------------------------------------------------------------------------------------------------ vLLM (own process)
 def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[list[int]], max_tokens: int,
                  greedy_batch_1_only: bool, queue, drafter: str = "colocated", cpus: list[int] | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, draft_dtype: str | None = None) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if cpus:  # before vLLM and its OpenMP threads start: they inherit the cores and the thread count
         _pin(cpus)
@@ -101,7 +100,7 @@ def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[l
     config = load_engine_config(config_path)
     config = config.model_copy(update={
         "target": config.target.model_copy(update={"dtype": dtype}),
-        "draft": config.draft.model_copy(update={"dtype": dtype}),
+        "draft": config.draft.model_copy(update={"dtype": draft_dtype or dtype}),
         "engine": config.engine.model_copy(update={"backend": "vllm", "vllm_speculation": speculation,
                                                    "vllm_drafter": drafter, "vllm_draft_overlap": overlap,
                                                    "max_num_seqs": CONCURRENCY})})
@@ -167,13 +166,14 @@ def _vllm_spec_counters(llm) -> dict:
 
 def vllm_system(config_path: Path, dtype: str, speculation: str, prompts, max_tokens: int,
                 greedy_batch_1_only: bool = False, drafter: str = "colocated", cpus: list[int] | None = None,
-                overlap: bool = True) -> dict:
+                overlap: bool = True, draft_dtype: str | None = None) -> dict:
     """``cpus``: the engine's process on those cores, one thread each (None: this process's cores); ``overlap``:
-    a drafter actor drafts while vLLM finishes its step (``engine.vllm_draft_overlap``)."""
+    a drafter actor drafts while vLLM finishes its step (``engine.vllm_draft_overlap``); ``draft_dtype``: the
+    draft's (None: ``dtype``)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_vllm_worker, args=(str(config_path), dtype, speculation, prompts, max_tokens,
-                                                  greedy_batch_1_only, queue, drafter, cpus, overlap))
+                                                  greedy_batch_1_only, queue, drafter, cpus, overlap, draft_dtype))
     proc.start()
     while True:  # a worker that dies (a bad engine argument) must not leave the run waiting forever
         try:
@@ -293,8 +293,9 @@ def _checkpointed(path: Path, key: dict, name: str, fn):
 
 def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype: str, work: Path,
         only: list[str] | None = None, engine_cpus: list[int] | None = None,
-        served_engine_cpus: list[int] | None = None, resume: bool = False) -> dict:
-    """``only``: run the systems whose names contain one of these (vLLM plain, the baseline, always runs; the
+        served_engine_cpus: list[int] | None = None, resume: bool = False, draft_dtype: str | None = None) -> dict:
+    """``draft_dtype``: the DSpark rows' draft dtype where it differs from ``dtype`` (named in those rows; None:
+    ``dtype``, as the config's ``auto`` resolves it with ``dtype: auto``). ``only``: run the systems whose names contain one of these (vLLM plain, the baseline, always runs; the
     served path only when 'served' is among them); None: everything. ``engine_cpus``: every engine computes on
     these cores with one thread each (the served one too: ``served_vllm``); None: on all of them.
     ``served_engine_cpus``: only the served path's engine (and its offline twin) on those cores. ``resume``: the
@@ -309,21 +310,25 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
         prepare_target()
     config, _ = config.with_concrete_dtypes() if dtype == "auto" else (config.model_copy(update={
         part: getattr(config, part).model_copy(update={"dtype": dtype}) for part in ("target", "draft")}), None)
-    dtype = config.target.dtype
+    if draft_dtype:
+        config = config.model_copy(update={"draft": config.draft.model_copy(update={"dtype": draft_dtype})})
+    dtype, draft_dtype = config.target.dtype, config.draft.dtype
     tokenizer = load_tokenizer(config.resolve(config.target.path))
     texts = [t for name in sets for t in read_prompts(name, per_set)]
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
     eos = sorted({tokenizer.eos_token_id} | set(getattr(tokenizer, "additional_eos_ids", []) or []))
-    head = Path(config.draft.path).name  # the config's head, named in its rows
+    head = Path(config.draft.path).name  # the config's head, named in its rows (with its dtype where it differs)
+    head += f", {draft_dtype} draft" if draft_dtype != dtype else ""
     systems = {
         "vLLM plain": lambda: vllm_system(config_path, dtype, "off", prompts, max_tokens),
         "vLLM + ngram (prompt lookup, k=5)": lambda: vllm_system(config_path, dtype, "ngram", prompts, max_tokens),
-        f"vLLM + DSpark ({head}, our proposer in vLLM)": lambda: vllm_system(config_path, dtype, "dspark_plugin",
-                                                                                 prompts, max_tokens),
+        f"vLLM + DSpark ({head}, our proposer in vLLM)": lambda: vllm_system(
+            config_path, dtype, "dspark_plugin", prompts, max_tokens, draft_dtype=draft_dtype),
         f"vLLM + DSpark actor ({head}, drafter actor over gloo)": lambda: vllm_system(
-            config_path, dtype, "dspark_plugin", prompts, max_tokens, drafter="actor"),
+            config_path, dtype, "dspark_plugin", prompts, max_tokens, drafter="actor", draft_dtype=draft_dtype),
         f"vLLM + DSpark actor without overlap ({head}, vLLM waits for the drafts)": lambda: vllm_system(
-            config_path, dtype, "dspark_plugin", prompts, max_tokens, drafter="actor", overlap=False),
+            config_path, dtype, "dspark_plugin", prompts, max_tokens, drafter="actor", overlap=False,
+            draft_dtype=draft_dtype),
         "native plain": lambda: native_system(config, False, prompts, max_tokens),
         f"native + DSpark ({head})": lambda: native_system(config, True, prompts, max_tokens),
         "transformers generate": lambda: transformers_system(config, prompts, max_tokens, eos),
@@ -332,7 +337,7 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
     if not resume:
         checkpoint.unlink(missing_ok=True)
     key = {"config": str(config_path), "sets": sets, "per_set": per_set, "max_tokens": max_tokens, "dtype": dtype,
-           "engine_cpus": engine_cpus, "machine": machine()}
+           "draft_dtype": draft_dtype, "engine_cpus": engine_cpus, "machine": machine()}
     rows = []
     for name, fn in systems.items():
         if only is not None and name != "vLLM plain" and not any(o in name for o in only):
@@ -363,7 +368,8 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
                        and r["temperature"] == "greedy")
         served["vs_offline_vllm_batch_1"] = served["tok_s"] / offline["tok_s"]
         served["vs_offline_beside"] = served["tok_s"] / served["offline_beside_tok_s"]
-    return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "dtype": dtype, "sets": sets,
+    return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "dtype": dtype, "draft_dtype": draft_dtype,
+            "sets": sets,
             "per_set": per_set, "prompts": len(prompts),
             "max_tokens": max_tokens, "engine_cpus": engine_cpus, "served_engine_cpus": served_engine_cpus,
             "rows": rows, "served_vllm": served}
@@ -499,7 +505,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sets", default="humaneval,gsm8k", help="comma-separated prompt sets (benchmarks/data/)")
     parser.add_argument("--per-set", type=int, default=30)
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="every engine's target, and the draft unless --draft-dtype")
+    parser.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"],
+                        help="the DSpark rows' draft (named in them where it differs from the target's); default: "
+                             "--dtype")
     parser.add_argument("--work", default=str(REPO / "out" / "peers"), help="folder for configs and logs")
     parser.add_argument("--out", default="peers.json")
     parser.add_argument("--plot", default="peers.png")
@@ -527,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                  args.only.split(",") if args.only else None,
                  [int(c) for c in args.engine_cpus.split(",")] if args.engine_cpus else None,
                  [int(c) for c in args.served_engine_cpus.split(",")] if args.served_engine_cpus else None,
-                 args.resume)
+                 args.resume, args.draft_dtype)
     if args.runs:
         print(table(report) + "\n")  # this run alone, then the runs file combined
         report = combine(add_run(Path(args.runs), report))

@@ -36,7 +36,7 @@ def build_drafter(cfg: EngineFileConfig, target: TargetModel, engine_cfg: Engine
     if not draft_path.is_dir():
         raise ConfigError("draft.path", f"{draft_path} is not a directory")
     draft = load_draft(draft_path, target.config, DTYPES[cfg.draft.dtype])
-    draft.bind_target(target.embed_tokens, target.lm_head)
+    draft.bind_target(target.embed_tokens, target.lm_head, head_in_draft_dtype=True)
     return DSparkDrafter(draft, engine_cfg.kv_cache_tokens, engine_cfg.kv_block_size, engine_cfg.draft_top_k,
                          engine_cfg.block_size)
 

@@ -218,3 +218,19 @@ def test_teacher_forced_block_equals_the_sequential_stage(kind):
         with torch.no_grad():
             changed, _, _ = draft.position_logits(base, hidden, other, slice(None))
         assert not torch.allclose(changed[:, 2], block_logits[:, 2])
+
+
+def test_serving_binds_the_lm_head_in_the_drafts_dtype_and_training_shares_it():
+    """A bf16 draft beside an fp32 target: serving drafts with a bf16 copy of the target's LM head (the block's
+    small-M GEMM in the dtype the draft computes in); training keeps the target's own tensor, no copy."""
+    cfg = shrink(seed_config("release"))
+    draft = DSparkDraft(cfg).to(torch.bfloat16)
+    embed = torch.nn.Embedding(cfg.backbone.vocab_size, cfg.backbone.hidden_size)
+    head = torch.nn.Linear(cfg.backbone.hidden_size, cfg.backbone.vocab_size, bias=False)
+    assert draft.bind_target(embed, head).lm_head is head
+    served = draft.bind_target(embed, head, head_in_draft_dtype=True).lm_head
+    assert served is not head and served.weight.dtype == torch.bfloat16
+    assert torch.equal(served.weight, head.weight.detach().to(torch.bfloat16))
+    assert not served.weight.requires_grad
+    same = DSparkDraft(cfg).bind_target(embed, head, head_in_draft_dtype=True)  # fp32 draft: the shared tensor
+    assert same.lm_head is head

@@ -533,13 +533,9 @@ class DSparkProposer:
         embed = target_model.model.embed_tokens.weight[:vocab]
         head = getattr(target_model, "lm_head", None)
         head = embed if head is None or getattr(head, "weight", None) is None else head.weight[:vocab]
-        dtype = self.model.fc.weight.dtype  # the draft's own (draft.dtype)
-        if head.dtype != dtype:  # the block's LM head in the draft's dtype, a copy: e.g. bf16 beside an fp32 target,
-            head = head.to(dtype)  # where bf16 is native its small-M GEMM is 5-8x faster (docs/performance.md); the
-            # target verifies every token, so the output is unchanged
         lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False, device=head.device, dtype=head.dtype)
         lm_head.weight = nn.Parameter(head, requires_grad=False)
-        self.model.bind_target(nn.Embedding.from_pretrained(embed, freeze=True), lm_head)
+        self.model.bind_target(nn.Embedding.from_pretrained(embed, freeze=True), lm_head, head_in_draft_dtype=True)
         drafter = DSparkDrafter(self.model, int(opts.get("kv_cache_tokens", 32768)), int(opts.get("kv_block_size", 16)),
                                 int(opts.get("draft_top_k", 0)), block)
         self.step_drafter = StepDrafter(drafter, block, **scheduling)

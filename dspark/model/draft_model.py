@@ -147,13 +147,24 @@ class DSparkDraft(nn.Module):
         else:
             raise ValueError(name)
 
-    def bind_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> DSparkDraft:
-        """Share the target's (frozen) embedding and LM head (the draft's own ones, if any, take precedence)."""
+    def bind_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear, *, head_in_draft_dtype: bool = False
+                    ) -> DSparkDraft:
+        """Share the target's (frozen) embedding and LM head (the draft's own ones, if any, take precedence).
+
+        ``head_in_draft_dtype``: draft with a copy of the LM head in the draft's dtype where the target's differs
+        (serving: a bf16 draft beside an fp32 target, on a CPU with native bf16, runs the block's LM head 5-8x
+        faster, docs/performance.md; the target verifies every token, so outputs are unchanged). Training keeps
+        the shared tensor: a copy of a Kimi-sized head costs GBs."""
         if embed_tokens.weight.shape[1] != self.config.backbone.hidden_size:
             raise ValueError(
                 f"target hidden size {embed_tokens.weight.shape[1]} != draft hidden size "
                 f"{self.config.backbone.hidden_size}"
             )
+        dtype = self.fc.weight.dtype
+        if head_in_draft_dtype and lm_head.weight.dtype != dtype:
+            weight = lm_head.weight.detach().to(dtype)
+            lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=dtype)
+            lm_head.weight = nn.Parameter(weight, requires_grad=False)
         self._shared = {"embed_tokens": embed_tokens, "lm_head": lm_head}
         return self
 
