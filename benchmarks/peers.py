@@ -1,13 +1,13 @@
 """Peers on this machine, one run: the same target, prompts and dtype through every engine a user could pick.
 
 Systems: vLLM plain, vLLM + prompt lookup (its ``ngram`` proposer), vLLM + this project's DSpark proposer (the dspark
-vLLM plugin, ``engine.vllm_speculation: dspark_plugin``, with the config's gate and scheduler), the same with the
-head in the drafter actor (``engine.vllm_drafter: actor``: hidden states over gloo), this project's native
-engine plain and with the DSpark head (the embedded default's engine settings: confidence scheduler, draft gate),
-``transformers`` ``generate``; each at batch 1 (one request at a time) and at concurrency 8 (eight requests decoded together: vLLM's
-and the native engine's schedulers; ``transformers`` as left-padded batches of 8), greedy and at T=1 / top-p 0.95
-(seeded per request). Then the served vLLM path (``serve run`` with ``engine.backend: vllm``, the OpenAI API through
-this project's front door, ``dspark loadtest`` at concurrency 1, greedy) against offline vLLM at batch 1.
+vLLM plugin, ``engine.vllm_speculation: dspark_plugin``, with the config's gate and scheduler), the same with the head
+in the drafter actor (``engine.vllm_drafter: actor``: hidden states over gloo), this project's native engine plain and
+with the DSpark head (the embedded default's engine settings: confidence scheduler, draft gate), ``transformers``
+``generate``; each at batch 1 (one request at a time) and at concurrency 8 (eight requests decoded together: vLLM's and
+the native engine's schedulers; ``transformers`` as left-padded batches of 8), greedy and at T=1 / top-p 0.95 (seeded
+per request). Then the served vLLM path (``serve run`` with ``engine.backend: vllm``, the OpenAI API through this
+project's front door, ``dspark loadtest`` at concurrency 1, greedy) against offline vLLM at batch 1.
 
     python -m benchmarks.peers [--sets humaneval,gsm8k] [--per-set 30] [--max-tokens 256] [--dtype auto]
         [--draft-dtype bfloat16] [--only DSpark,ngram,served] [--out peers.json] [--plot peers.png]
@@ -295,11 +295,12 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
         only: list[str] | None = None, engine_cpus: list[int] | None = None,
         served_engine_cpus: list[int] | None = None, resume: bool = False, draft_dtype: str | None = None) -> dict:
     """``draft_dtype``: the DSpark rows' draft dtype where it differs from ``dtype`` (named in those rows; None:
-    ``dtype``, as the config's ``auto`` resolves it with ``dtype: auto``). ``only``: run the systems whose names contain one of these (vLLM plain, the baseline, always runs; the
-    served path only when 'served' is among them); None: everything. ``engine_cpus``: every engine computes on
-    these cores with one thread each (the served one too: ``served_vllm``); None: on all of them.
-    ``served_engine_cpus``: only the served path's engine (and its offline twin) on those cores. ``resume``: the
-    systems an interrupted run with the same settings finished on this machine are read back from ``work``."""
+    ``dtype``, as the config's ``auto`` resolves it with ``dtype: auto``). ``only``: run the systems whose names contain
+    one of these (vLLM plain, the baseline, always runs; the served path only when 'served' is among them); None:
+    everything. ``engine_cpus``: every engine computes on these cores with one thread each (the served one too:
+    ``served_vllm``); None: on all of them. ``served_engine_cpus``: only the served path's engine (and its offline twin)
+    on those cores. ``resume``: the systems an interrupted run with the same settings finished on this machine are read
+    back from ``work``."""
     served_engine_cpus = served_engine_cpus or engine_cpus
     if served_engine_cpus and not set(range(os.cpu_count() or 1)) - set(served_engine_cpus):
         raise SystemExit("--engine-cpus / --served-engine-cpus must leave a core for serve run and the load generator")
