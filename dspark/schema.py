@@ -93,11 +93,14 @@ class EngineSpec(_Strict):
                                  "CPU, NCCL on GPU); a draft call past runtime.drafter_timeout_s or a dead actor "
                                  "costs that step its drafts (plain decoding, the same output) and the actor is "
                                  "replaced. Needs tp_size 1 (vLLM's engine in the replica process).")
-    vllm_draft_overlap: bool = Field(
-        True, description="vllm_drafter 'actor': the actor drafts the next step while vLLM finishes this one (its "
+    vllm_draft_overlap: bool | None = Field(
+        None, description="vllm_drafter 'actor': the actor drafts the next step while vLLM finishes this one (its "
                           "outputs detokenised and streamed, new requests admitted); vLLM's scheduler takes the "
                           "drafts just before it schedules the next step (runtime.drafter_timeout_s then counts "
-                          "from there). false: vLLM waits for them at the end of each step. Output is the same "
+                          "from there). false: vLLM waits for them at the end of each step. null (the default): "
+                          "on where the drafter has a GPU of its own (runtime.drafter_gpus > 0), off where it "
+                          "shares the CPU cores vLLM's output processing runs on (measured on 2 cores: 0.91x "
+                          "against 1.01x of vLLM plain without, docs/performance.md). Output is the same "
                           "either way; the draft gate and the prefix scheduler weigh only the wait for drafts "
                           "the overlap leaves; /metrics splits the step's time "
                           "(dspark:engine_phase_seconds). Ignored by colocated drafting and the native backend "

@@ -217,3 +217,17 @@ def test_drafter_actor_mode_reserves_a_bundle_and_tells_the_proposer(tmp_path):
     assert engine_arguments(colocated.with_concrete_dtypes()[0])["additional_config"]["dspark"]["drafter"] == \
         "colocated"
     assert engine_arguments(actor.with_concrete_dtypes()[0])["additional_config"]["dspark"]["drafter"] == "actor"
+
+
+@pytest.mark.parametrize("overlap,drafter_gpus,expected", [(None, 0, False), (None, 1, True), (True, 0, True),
+                                                           (False, 1, False)])
+def test_the_drafter_actors_overlap_is_on_where_it_has_a_gpu_unless_set(tmp_path, overlap, drafter_gpus, expected):
+    """engine.vllm_draft_overlap unset: on for a drafter with a GPU of its own, off on shared CPU cores (where it
+    measured slower, docs/performance.md); set, as set. What the proposer is told (--additional-config)."""
+    config = load_engine_config(REPO / "configs" / "embedded.yaml")
+    engine = {"backend": "vllm", "vllm_speculation": "dspark_plugin", "vllm_drafter": "actor"}
+    if overlap is not None:
+        engine["vllm_draft_overlap"] = overlap
+    variant = load_engine_config(write_variant(config, tmp_path / "actor.yaml", engine=engine,
+                                               runtime={"drafter_gpus": drafter_gpus}))
+    assert engine_arguments(variant.with_concrete_dtypes()[0])["additional_config"]["dspark"]["overlap"] is expected

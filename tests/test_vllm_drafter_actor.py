@@ -2,12 +2,13 @@
 runner sends each step's committed hidden states over the feature channel (gloo) to the drafter actor, and takes
 its drafts back; through a real ``serve run`` with the openai client.
 
-The drafter is SIGKILLed in the middle of 8 concurrent streams: every stream completes with exactly plain vLLM's
-greedy output, the failure is counted, the actor is replaced and speculation resumes for new requests; the
-hidden states travel by the channel (its byte counter covers every committed position of a request, one row each),
-and ``/health`` names the engine's and the drafter's processes. The served app overlaps (``engine.vllm_draft_overlap``,
-the default: the actor drafts while vLLM finishes its step), and /metrics shows the step timeline; offline, the
-actor without overlap gives plain vLLM's greedy output too, and its timeline shows vLLM waiting for every draft."""
+The drafter is SIGKILLed in the middle of 8 concurrent streams: every stream completes with exactly plain vLLM's greedy
+output, the failure is counted, the actor is replaced and speculation resumes for new requests; the hidden states travel
+by the channel (its byte counter covers every committed position of a request, one row each), and ``/health`` names the
+engine's and the drafter's processes. The served app overlaps (``engine.vllm_draft_overlap: true``: the actor drafts
+while vLLM finishes its step; unset, the overlap is on only for a drafter with a GPU), and /metrics shows the step
+timeline; offline, the actor without overlap gives plain vLLM's greedy output too, and its timeline shows vLLM waiting
+for every draft."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ MODEL = "smollm2-135m-instruct"
 HTTP_PORT, GRPC_PORT = 8300, 9300
 STREAMS, MAX_TOKENS = 8, 48
 ENGINE = {"backend": "vllm", "vllm_speculation": "dspark_plugin", "vllm_drafter": "actor", "max_num_seqs": STREAMS,
-          "scheduler": "full", "draft_gate": False}  # drafts every step: the kill lands mid-draft
+          "scheduler": "full", "draft_gate": False,  # drafts every step: the kill lands mid-draft
+          "vllm_draft_overlap": True}  # on CPU cores unset means off
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +177,7 @@ def test_killing_the_drafter_mid_streams_loses_nothing_and_speculation_resumes(a
     assert not any(t.is_alive() for t in threads), "a stream hung"
     assert not errors, errors
     assert [replies[i] for i in range(STREAMS)] == plain  # plain vLLM's greedy output, every stream
-    # overlapped (the default): vLLM finished its steps while the actor drafted; the timeline's phases all moved
+    # overlapped (vllm_draft_overlap: true): vLLM finished steps while the actor drafted; every timeline phase moved
     wait_for(lambda: metric(app, "engine_phase_seconds_total", 'phase="overlap"'), 30,
              "the step timeline folded into /metrics", until=lambda seen: seen > 0)
     for phase in ("target", "draft", "drafter", "transport", "step"):
