@@ -370,8 +370,7 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
         served["vs_offline_vllm_batch_1"] = served["tok_s"] / offline["tok_s"]
         served["vs_offline_beside"] = served["tok_s"] / served["offline_beside_tok_s"]
     return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "dtype": dtype, "draft_dtype": draft_dtype,
-            "sets": sets,
-            "per_set": per_set, "prompts": len(prompts),
+            "sets": sets, "per_set": per_set, "prompts": len(prompts),
             "max_tokens": max_tokens, "engine_cpus": engine_cpus, "served_engine_cpus": served_engine_cpus,
             "rows": rows, "served_vllm": served}
 

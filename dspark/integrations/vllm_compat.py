@@ -245,10 +245,10 @@ def dspark_options(config) -> dict[str, Any]:
             "block_size": engine.block_size, "draft_top_k": engine.draft_top_k,
             "kv_cache_tokens": engine.kv_cache_tokens, "kv_block_size": engine.kv_block_size,
             "draft_gate": engine.draft_gate, "scheduler": engine.scheduler, "seed": 0,
-            "drafter": engine.vllm_drafter, "overlap": draft_overlap(config)}
+            "drafter": engine.vllm_drafter, "overlap": _draft_overlap(config)}
 
 
-def draft_overlap(config) -> bool:
+def _draft_overlap(config) -> bool:
     """Whether the drafter actor drafts while vLLM finishes its step: ``engine.vllm_draft_overlap``, or where unset,
     whether the drafter has a GPU of its own (on shared CPU cores the overlap slows vLLM by what it hides)."""
     chosen = config.engine.vllm_draft_overlap
