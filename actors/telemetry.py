@@ -66,7 +66,9 @@ METRICS = (
                                                   "and acceptance), step (all). vLLM engine: step (all), target "
                                                   "(vLLM's own work), draft (waiting for drafts), drafter (the draft "
                                                   "pass), transport (features to the drafter actor), overlap (vLLM's "
-                                                  "work while the actor drafted).", ("phase",)),
+                                                  "work while the actor drafted), worker_state (tensor "
+                                                  "parallelism: reading rank 0's proposer counters after each "
+                                                  "step).", ("phase",)),
     MetricSpec("num_requests_running", "gauge", "Requests being decoded."),
     MetricSpec("num_requests_waiting", "gauge", "Requests accepted but waiting for a batch slot or KV blocks."),
     MetricSpec("kv_cache_usage_perc", "gauge", "Fraction of the target KV cache's blocks in use or reserved."),

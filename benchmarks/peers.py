@@ -108,11 +108,11 @@ def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[l
     if drafter == "actor":  # the drafter actor of a served replica, on a local Ray cluster of this process
         import ray
 
-        from actors.draft_actor import DrafterActorHost
+        from actors.draft_actor import DrafterHostFactory
         from dspark.integrations.vllm_compat import attach_remote_drafter
 
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-        attach_remote_drafter(llm, DrafterActorHost(config))
+        attach_remote_drafter(llm, DrafterHostFactory(config))
     results = {}
     for label, (temperature, top_p) in TEMPERATURES.items():
         if greedy_batch_1_only and temperature:

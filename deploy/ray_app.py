@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
-from actors.router import replica_bundles
+from deploy.placement import placement_bundles, replica_cpus, replica_gpus
 from deploy.server import DSparkServer
 from dspark.config import ConfigError
 from dspark.schema import EngineFileConfig, format_validation_error, load_engine_config
@@ -61,39 +61,6 @@ def autoscaling_config(config: EngineFileConfig) -> AutoscalingConfig | None:
 def max_ongoing(serving) -> int:
     """Requests Serve lets reach one replica at once (the replica admits far fewer into decoding)."""
     return 4 * (serving.max_concurrent_requests + serving.max_queued_requests) + 64
-
-
-def vllm_workers(config: EngineFileConfig) -> bool:
-    """vllm backend with tensor parallelism: vLLM's workers are Ray actors (its Ray executor) in the replica's
-    placement group, one bundle each; without it vLLM's engine computes in the replica process."""
-    return config.engine.backend == "vllm" and config.runtime.tp_size > 1
-
-
-def replica_cpus(config: EngineFileConfig) -> float:
-    """CPUs of the replica process: the router's; with a vllm engine computing in the replica also the target's."""
-    cpus = config.serving.router_cpus
-    if config.engine.backend == "vllm" and not vllm_workers(config):
-        cpus += config.runtime.shard_cpus
-    return cpus
-
-
-def replica_gpus(config: EngineFileConfig) -> float:
-    return config.runtime.shard_gpus if config.engine.backend == "vllm" and not vllm_workers(config) else 0.0
-
-
-def placement_bundles(config: EngineFileConfig) -> list[dict[str, float]]:
-    """One replica's placement group: the replica process first, then native: the target shard actors and the
-    drafter actor; vllm with tensor parallelism: vLLM's Ray workers (it takes the bundles holding a GPU)."""
-    gpus = replica_gpus(config)
-    head = {"CPU": replica_cpus(config), **({"GPU": gpus} if gpus else {})}
-    rt = config.runtime
-    if config.engine.backend == "native":
-        return [head, *replica_bundles(config)]
-    if vllm_workers(config):  # the shard bundles; vLLM's drafter runs inside its workers, not in a bundle of its own
-        return [head, *replica_bundles(config)[:rt.tp_size]]
-    if config.engine.vllm_drafter == "actor":  # our drafter actor beside the engine: the native replica's bundle
-        return [head, *replica_bundles(config)[rt.tp_size:]]
-    return [head]
 
 
 def replica_threads_env(config: EngineFileConfig) -> dict[str, str]:

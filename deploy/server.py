@@ -25,6 +25,7 @@ from actors.tracing import RequestTracer, make_provider
 from deploy.auth import KeyCheck, read_api_key, require_key_or_consent
 from deploy.grpc_api import GrpcApi
 from deploy.openai_api import build_http_app
+from deploy.placement import drafter_bundle
 from deploy.request_adapter import RequestAdapter
 from dspark.schema import EngineFileConfig
 from dspark.training.prepare import default_target_dir, prepare_target
@@ -68,9 +69,9 @@ class DSparkServer(GrpcApi):
         sys.setswitchinterval(0.0005)
         if config.engine.backend == "vllm":  # vLLM's engine in this process: it computes here
             # threads: OMP_NUM_THREADS from the deployment (deploy.ray_app.replica_threads_env); vLLM binds them;
-            # the drafter actor (engine.vllm_drafter: actor) takes the bundle after the replica's
+            # the drafter actor (engine.vllm_drafter: actor) takes the last bundle of the replica's placement group
             self.router = vllm_target(config.with_concrete_dtypes(target_on_gpu=torch.cuda.is_available())[0],
-                                      get_current_placement_group(), drafter_bundle=1)
+                                      get_current_placement_group(), drafter_bundle=drafter_bundle(config))
         else:
             placement = get_current_placement_group()
             torch.set_num_threads(config.runtime.router_threads)  # the router only batches; actors compute

@@ -92,7 +92,8 @@ class EngineSpec(_Strict):
                                  "group), fed the target's hidden states over the collective channel (gloo on "
                                  "CPU, NCCL on GPU); a draft call past runtime.drafter_timeout_s or a dead actor "
                                  "costs that step its drafts (plain decoding, the same output) and the actor is "
-                                 "replaced. Needs tp_size 1 (vLLM's engine in the replica process).")
+                                 "replaced. With runtime.tp_size > 1 vLLM's rank-0 worker sends the states and "
+                                 "shares the drafts with the other ranks.")
     vllm_draft_overlap: bool | None = Field(
         None, description="vllm_drafter 'actor': the actor drafts the next step while vLLM finishes this one (its "
                           "outputs detokenised and streamed, new requests admitted); vLLM's scheduler takes the "
@@ -301,10 +302,9 @@ class EngineFileConfig(_Strict):
                 raise ValueError("engine.vllm_drafter: 'actor' is our DSpark proposer's drafter actor; it needs "
                                  "engine.backend 'vllm' and engine.vllm_speculation 'dspark_plugin' (the native "
                                  "backend always drafts in an actor)")
-            if self.runtime.tp_size > 1:
-                raise ValueError("engine.vllm_drafter: 'actor' needs runtime.tp_size 1 for now: with tensor "
-                                 "parallelism the proposer runs in vLLM's rank-0 Ray worker, which does not host "
-                                 "the drafter's channel yet")
+            if self.runtime.tp_size > 1 and self.engine.vllm_draft_overlap:
+                raise ValueError("engine.vllm_draft_overlap: true needs runtime.tp_size 1: with tensor parallelism "
+                                 "our proposer runs in vLLM's workers, and each step's drafts come within it")
         if self.runtime.engine_cpus is not None and (self.engine.backend != "vllm" or self.runtime.tp_size > 1
                                                      or self.runtime.shard_gpus):
             raise ValueError("runtime.engine_cpus pins vLLM's engine in the replica process to CPU cores: it needs "

