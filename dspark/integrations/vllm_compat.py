@@ -862,8 +862,7 @@ def _attach_in_worker(worker, make_host) -> int | None:
     proposer = _worker_proposer(worker)
     if proposer is None or not proposer.remote or proposer.tp_rank != 0:
         return None
-    proposer.attach(make_host())
-    proposer.overlap = False  # the drafts come within the workers' step: nothing here runs between two steps
+    proposer.attach(make_host())  # no overlap in a worker (load_model): its drafts come within the step
     return proposer.host.pid
 
 
