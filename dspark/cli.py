@@ -53,8 +53,19 @@ def _train(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from dspark.schema import EngineFileConfig, format_validation_error, read_yaml
-    from dspark.training.recipe import TrainFileConfig, run_recipe
+    from dspark.training.recipe import DistillFileConfig, TrainFileConfig, run_distillation, run_recipe
 
+    if args.resume:
+        config = args.config or str(Path(__file__).resolve().parent.parent / "configs" / "train-smollm2-distill.yaml")
+        try:
+            distill = DistillFileConfig(**read_yaml(config))
+        except ValidationError as exc:
+            raise ConfigError(config, format_validation_error(exc)) from None
+        paths = EngineFileConfig(target={"path": "."}, base_dir=str(Path(config).resolve().parent))
+        run_distillation(distill, paths.resolve, log=lambda line: print(line, flush=True))
+        return 0
+    if not args.config:
+        raise ConfigError("--config", "required (or --resume: continue the committed distillation)")
     data = read_yaml(args.config)
     # command-line overrides go through the same validation as the file (a bad value names its field)
     for section, key, value in (("train", "steps", args.steps), ("train", "lr", args.lr),
@@ -173,7 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     gen.set_defaults(func=_generate)
     tr = sub.add_parser("train", help="train a DSpark head: data, target cache, training, calibration, export")
-    tr.add_argument("--config", required=True, help="training YAML (e.g. configs/train-smollm2.yaml)")
+    tr.add_argument("--config", help="training YAML (e.g. configs/train-smollm2.yaml; with --resume, "
+                                     "default configs/train-smollm2-distill.yaml)")
+    tr.add_argument("--resume", action="store_true",
+                    help="continue the distillation over the corpus in git from its last committed (or local) state")
     tr.add_argument("--stages", default="data,cache,train,export", help="comma-separated subset of the stages")
     tr.add_argument("--steps", type=int, default=None, help="override train.steps")
     tr.add_argument("--lr", type=float, default=None, help="override train.lr (peak learning rate)")

@@ -7,6 +7,8 @@ from (the paged cache for the target; cached context features plus the block for
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import torch
@@ -15,6 +17,19 @@ from torch import nn
 
 from dspark.config import DecoderConfig, RopeConfig
 from dspark.model.attention import attend
+
+_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar("batch_invariant", default=True)
+
+
+@contextlib.contextmanager
+def shape_variant_kernels():
+    """Inside, ``Linear`` calls the fastest kernel for every shape (a pass whose rows never meet a decode, such as
+    the training teacher's, needs no batch invariance)."""
+    token = _INVARIANT.set(False)
+    try:
+        yield
+    finally:
+        _INVARIANT.reset(token)
 
 
 class Linear(nn.Linear):
@@ -31,7 +46,7 @@ class Linear(nn.Linear):
     ROWS = 32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+        if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16) or not _INVARIANT.get():
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])  # [N, in]
         if 1 < len(rows) <= self.ROWS:

@@ -140,6 +140,20 @@ class TrainFileConfig(_Strict):
     train: TrainSpec = Field(default_factory=TrainSpec, description="Optimisation.")
 
 
+def draft_config(tc: DecoderConfig, arch: DraftArchSpec, target_path: str) -> DraftConfig:
+    """The draft ``arch`` describes, over the target whose config is ``tc`` (its backbone has the target's shapes)."""
+    backbone = DecoderConfig(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+                             num_layers=arch.num_layers, num_heads=tc.num_heads, num_kv_heads=tc.num_kv_heads,
+                             head_dim=tc.head_dim, vocab_size=tc.vocab_size, rms_norm_eps=tc.rms_norm_eps,
+                             rope=tc.rope, attention_bias=tc.attention_bias, qk_norm=tc.qk_norm,
+                             max_position_embeddings=tc.max_position_embeddings, model_type=tc.model_type)
+    return DraftConfig(backbone=backbone, target_hidden_size=tc.hidden_size,
+                       target_layer_ids=tuple(arch.target_layer_ids), block_size=arch.block_size,
+                       mask_token_id=arch.mask_token_id, markov_rank=arch.markov_rank,
+                       enable_markov_head=arch.enable_markov_head, draft_vocab_size=arch.draft_vocab_size,
+                       verifier_name_or_path=str(target_path), verifier_architectures=("LlamaForCausalLM",))
+
+
 def response_engine(data: DataSpec, target, target_dir: Path, tokenizer, device: str = "cpu"):
     """The engine that regenerates the training responses: plain decoding of the target in ``data.dtype``, up to
     ``data.batch`` sequences together, a KV budget of 1400 tokens each."""
@@ -223,18 +237,7 @@ def _run_stages(cfg: TrainFileConfig, resolve, stages: tuple[str, ...], log) -> 
     summary: dict = {}
     if "train" in stages or "export" in stages:
         tc = target.config
-        backbone = DecoderConfig(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
-                                 num_layers=arch.num_layers, num_heads=tc.num_heads, num_kv_heads=tc.num_kv_heads,
-                                 head_dim=tc.head_dim, vocab_size=tc.vocab_size, rms_norm_eps=tc.rms_norm_eps,
-                                 rope=tc.rope, attention_bias=tc.attention_bias, qk_norm=tc.qk_norm,
-                                 max_position_embeddings=tc.max_position_embeddings, model_type=tc.model_type)
-        draft_cfg = DraftConfig(backbone=backbone, target_hidden_size=tc.hidden_size,
-                                target_layer_ids=tuple(arch.target_layer_ids), block_size=arch.block_size,
-                                mask_token_id=arch.mask_token_id, markov_rank=arch.markov_rank,
-                                enable_markov_head=arch.enable_markov_head,
-                                draft_vocab_size=arch.draft_vocab_size,
-                                verifier_name_or_path=str(cfg.target_path),
-                                verifier_architectures=("LlamaForCausalLM",))
+        draft_cfg = draft_config(tc, arch, cfg.target_path)
         torch.manual_seed(0)
         draft = DSparkDraft(draft_cfg).to(device)  # buffers made on the CPU (the rotary table) too
         run = cfg.train.run_name or ("train" if arch.enable_markov_head else "train_no_markov")
@@ -282,3 +285,53 @@ def _run_stages(cfg: TrainFileConfig, resolve, stages: tuple[str, ...], log) -> 
             write_summary(out / "training_summary.json", summary, tcfg)
             log(f"[export] {out}: {json.dumps(summary['calibration'])}")
     return summary
+
+
+class DistillSpec(_Strict):
+    seqs_per_step: int = Field(4, ge=1, description="Corpus rows the target reads per step (one teacher pass).")
+    anchors_per_seq: int = Field(32, ge=1, description="Anchors drawn in each row's replies per step.")
+    lr: float = Field(6e-4, gt=0, description="Peak learning rate.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="The cosine decays to lr times this.")
+    schedule_tokens: int = Field(20_000_000, ge=1, description="Tokens read over which the cosine decays.")
+    warmup: int = Field(100, ge=1, description="Linear warm-up steps after every optimiser (re)start.")
+    ablation_tokens: int = Field(2_000_000, ge=0, description="The no-Markov ablation trains beside the head on the "
+                                                              "same target passes until this many tokens (0: never).")
+    vocab_rows: int = Field(96, ge=1, description="Rows whose target distributions choose the reduced vocabulary "
+                                                  "(by probability mass).")
+    heldout_per_source: int = Field(4, ge=1, description="Held-out rows of each source per learning-curve point.")
+    checkpoint_s: float = Field(300, gt=0, description="Local checkpoint (fp32 + optimisers) this often.")
+    export_s: float = Field(1800, gt=0, description="Learning-curve point and committed state this often.")
+    time_budget_s: float | None = Field(None, gt=0, description="Stop after this long (the state is kept).")
+    max_steps: int | None = Field(None, ge=1, description="Stop at this step.")
+    seed: int = Field(0, description="Seed of the anchors and the heads' initialisation.")
+
+
+class DistillFileConfig(_Strict):
+    target_path: str = Field(description="Target checkpoint directory ($VARS and ~ expanded).")
+    corpus_dir: str = Field(description="The corpus of token ids (dspark.training.corpus), in git.")
+    state_dir: str = Field(description="The committed training state (bf16 heads, state.json, curve.jsonl).")
+    work_dir: str = Field(description="Local fp32 checkpoints with optimiser states (outside git).")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="dtype of the target's teacher pass: the served default's ('auto': bf16 where the CPU "
+                            "has native bf16 matrix instructions).")
+    draft: DraftArchSpec = Field(description="The DSpark head (the control and the ablation derive from it).")
+    distill: DistillSpec = Field(default_factory=DistillSpec, description="Optimisation.")
+
+
+def run_distillation(cfg: DistillFileConfig, resolve, log=print) -> dict:
+    """``dspark train --resume``: continue (or start) the distillation from the committed or local state."""
+    from dspark.training.distillation import CorpusRows, DistillConfig, Distiller
+
+    dtype = resolve_dtype(cfg.dtype).dtype if cfg.dtype == "auto" else cfg.dtype
+    target_dir = resolve(cfg.target_path)
+    log(f"[distill] teacher pass in {dtype}")
+    target32, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
+    target = target32 if dtype == "float32" else load_target(target_dir, dtype)
+    corpus = CorpusRows(resolve(cfg.corpus_dir))
+    log(f"[distill] corpus: {len(corpus.manifests)} sources, {corpus.tokens} tokens in {len(corpus.shards)} shards")
+    distiller = Distiller(target, target32, corpus, draft_config(target32.config, cfg.draft, cfg.target_path),
+                          DistillConfig(**cfg.distill.model_dump()), resolve(cfg.work_dir), resolve(cfg.state_dir),
+                          end_of_turn_ids(tokenizer), log=log)
+    pause = resolve(cfg.work_dir) / "PAUSE"
+    log(f"[distill] `touch {pause}` pauses the run between steps (or SIGSTOP / SIGCONT)")
+    return distiller.run(pause_file=pause)

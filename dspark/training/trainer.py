@@ -122,14 +122,18 @@ def _anchors(cache: TargetCache, seq: int, anchors: int, block: int, rng: random
 
 
 def block_forward(draft: DSparkDraft, target: TargetModel, cache: TargetCache, seqs: list[int], anchors: int,
-                  rng: random.Random):
+                  rng: random.Random, pick=None):
     """Draft logits, confidences, target distributions and labels for the anchors of the sequences ``seqs``, in
     one block pass: their contexts concatenated into one row [1, T, D] that every block attends to through its
     visibility mask (its own sequence, strictly before its anchor; positions count from each sequence's start).
     One sequence per pass is cheapest where compute is the limit (a CPU: a block attends to T keys of its own
-    sequence only); a GPU, where launches are the limit, packs many (``TrainConfig.pack_sequences``)."""
+    sequence only); a GPU, where launches are the limit, packs many (``TrainConfig.pack_sequences``).
+    ``pick(seq, block)``, if given, chooses each sequence's anchors instead of ``_anchors`` (same return)."""
     block = draft.config.block_size
-    picked = [(seq, p) for seq in seqs if (p := _anchors(cache, seq, anchors, block, rng)) is not None]
+    if pick is None:
+        def pick(seq, block):
+            return _anchors(cache, seq, anchors, block, rng)
+    picked = [(seq, p) for seq in seqs if (p := pick(seq, block)) is not None]
     if not picked:
         return None
     spans = [(cache.offsets[seq], cache.offsets[seq + 1]) for seq, _ in picked]
