@@ -23,6 +23,7 @@ from pathlib import Path
 from benchmarks.report import machine
 from dspark.evaluation.prompt_sets import PROMPT_SETS_DIR
 from dspark.formats.target_checkpoint import load_target
+from dspark.jsonl import read_jsonl
 from dspark.loader import load_tokenizer
 from dspark.training.dataset import build_prompts, decontaminate, generate_responses
 from dspark.training.prepare import prepare_target
@@ -40,7 +41,7 @@ def measure(engine_name: str, prompts: list[str], batch: int, max_tokens: int, d
     tokens = generate_responses(engine, tokenizer, prompts, rows, max_tokens, log=lambda line: print(line, flush=True))
     seconds = time.perf_counter() - started
     engine.shutdown()
-    written = [json.loads(line) for line in rows.open()]
+    written = read_jsonl(rows)
     assert len(written) == len(prompts) and sum(len(r["response_ids"]) for r in written) == tokens
     return {"engine": engine_name, "startup_s": startup, "seconds": seconds, "response_tokens": tokens,
             "tokens_per_s": tokens / seconds, "rows": len(written)}

@@ -17,9 +17,11 @@ import json
 import math
 from pathlib import Path
 
+from dspark.jsonl import read_jsonl
+
 
 def read_curve(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
 
 
 def power_law(points: list[dict]) -> dict | None:

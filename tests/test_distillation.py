@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dspark.evaluation.prompt_sets import PROMPT_SETS_DIR
+from dspark.jsonl import read_jsonl
 from dspark.training import corpus
 from dspark.training.distillation import CorpusRows, DistillConfig, Distiller, anchor_picker
 from dspark.training.recipe import DraftArchSpec, draft_config
@@ -57,15 +58,6 @@ def test_the_corpus_packs_chat_exchanges_into_full_rows_with_their_reply_spans(t
     finally:
         corpus.build_source(TINY_SOURCE, tiny_tokenizer, tiny_corpus, PROMPT_SETS_DIR, seq_len=96,
                             shard_sequences=24, heldout_sequences=2, log=lambda *_: None)
-
-
-def test_a_jsonl_row_split_only_at_newlines_and_a_bad_row_named(tmp_path):
-    path = tmp_path / "set.jsonl"
-    path.write_text(json.dumps({"turns": ["a\u2028b\u2029c\x0cd\x85e"]}, ensure_ascii=False) + "\n" + "{oops\n")
-    with pytest.raises(ValueError, match=r"set.jsonl: line 2"):
-        corpus.read_jsonl(path)
-    path.write_text(json.dumps({"turns": ["a\u2028b\u2029c\x0cd\x85e"]}, ensure_ascii=False) + "\n")
-    assert corpus.read_jsonl(path) == [{"turns": ["a\u2028b\u2029c\x0cd\x85e"]}]
 
 
 def test_anchors_stay_inside_replies_and_blocks_stop_at_their_reply_end():
@@ -112,7 +104,7 @@ def test_an_interrupted_run_resumes_on_the_same_rows_and_anchors_in_the_same_ord
     assert from_git.state["optimizer_since"] == 3  # the optimisers restart, with a warm-up
     from_git.run()
     assert first.trace + from_git.trace == whole.trace
-    curve = [json.loads(line) for line in (tmp_path / "whole" / "state" / "curve.jsonl").read_text().splitlines()]
+    curve = read_jsonl(tmp_path / "whole" / "state" / "curve.jsonl")
     assert [p["step"] for p in curve] == [0, 7] and set(curve[0]["heads"]) == {"dspark", "control", "no-markov"}
     state = json.loads((tmp_path / "whole" / "state" / "state.json").read_text())
     assert state["step"] == 7 and state["tokens_read"] == 7 * 2 * 96 and state["heads"] == ["control", "dspark"]

@@ -15,6 +15,7 @@ from dspark.decoding.engine import Engine
 from dspark.evaluation.prompt_sets import PROMPT_SETS_DIR
 from dspark.formats.checkpoint import load_draft
 from dspark.formats.target_checkpoint import load_target
+from dspark.jsonl import read_jsonl
 from dspark.loader import load_tokenizer
 from dspark.testing import make_tiny_target
 from dspark.training.calibration import cumulative_ece, expected_calibration_error, sequential_temperature_scaling
@@ -180,7 +181,7 @@ def test_recipe_end_to_end(tmp_path):
     assert summary["data"]["response_tokens"] > 500
     # the learning curve: held-out tau at steps 0, 50, 100, 150; its last point is the held-out measure the
     # calibration reads (the same sequences and anchors, before the temperatures are fitted)
-    curve = [json.loads(line) for line in (tmp_path / "work" / "train" / "curve.jsonl").read_text().splitlines()]
+    curve = read_jsonl(tmp_path / "work" / "train" / "curve.jsonl")
     assert [p["step"] for p in curve] == [0, 50, 100, 150] and [p["anchors"] for p in curve] == [0, 1600, 3200, 4800]
     assert curve[0]["heldout_tau"] == pytest.approx(summary["init"]["heldout_expected_length"], abs=1e-6)
     assert curve[-1]["heldout_tau"] == pytest.approx(summary["calibration"]["heldout_expected_length"], abs=1e-6)
@@ -227,7 +228,7 @@ def test_recipe_end_to_end(tmp_path):
     control = cfg.model_copy(update={"draft": cfg.draft.model_copy(update={"block_size": 1}),
                                      "train": cfg.train.model_copy(update={"run_name": "control", "steps": 100})})
     run_recipe(control, resolve=Path, stages=("train",), log=logs.append)
-    points = [json.loads(line) for line in (tmp_path / "work" / "control" / "curve.jsonl").read_text().splitlines()]
+    points = read_jsonl(tmp_path / "work" / "control" / "curve.jsonl")
     assert [p["step"] for p in points] == [0, 50, 100] and all(p["block_size"] == 1 for p in points)
     assert all(p["heldout_tau"] == pytest.approx(1 + p["heldout_acceptance_per_pos"][0]) for p in points)
     assert points[-1]["heldout_tau"] > points[0]["heldout_tau"]
@@ -337,9 +338,11 @@ def test_the_shipped_recipes_validate_and_auto_data_dtypes_are_the_machines_serv
     from dspark.schema import read_yaml
     from dspark.training.recipe import with_machine_dtypes
 
-    recipes = {path.name: TrainFileConfig(**read_yaml(path))
+    from dspark.training.recipe import DistillFileConfig
+
+    recipes = {path.name: (DistillFileConfig if "distill" in path.name else TrainFileConfig)(**read_yaml(path))
                for path in sorted((REPO / "configs").glob("train-*.yaml"))}
-    assert len(recipes) >= 4
+    assert len(recipes) >= 5 and recipes["train-smollm2-distill.yaml"].draft.draft_vocab_size == 8192
     large = recipes["train-smollm2-large.yaml"]
     assert large.data.dtype == large.data.cache_dtype == "auto"
     logs = []
@@ -408,7 +411,7 @@ def test_the_data_stage_on_vllm_writes_the_native_engines_greedy_rows(tmp_path):
                               "data", "--set", f"data.engine={engine}", "--set", f"work_dir={tmp_path / engine}"],
                              capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
-        rows[engine] = [json.loads(line) for line in (tmp_path / engine / "responses.jsonl").read_text().splitlines()]
+        rows[engine] = read_jsonl(tmp_path / engine / "responses.jsonl")
     native, vllm = rows["native"], rows["vllm"]
     assert [r["prompt_ids"] for r in vllm] == [r["prompt_ids"] for r in native] and len(native) >= 7
     greedy = range(0, len(native), 2)  # even prompts decode greedily, odd ones at T=1 / top-p 0.95
@@ -504,6 +507,6 @@ def test_the_gpu_recipe_path_on_this_cpu_transformers_responses_a_prompts_file_a
     assert all(rows["transformers"][i]["response_ids"] for i in range(len(prompts)))
     assert summary["train"]["steps"] == 6
     curve_file = tmp_path / "transformers" / "train" / "curve.jsonl"
-    curve = [json.loads(line) for line in curve_file.read_text().splitlines()]
+    curve = read_jsonl(curve_file)
     assert [p["step"] for p in curve] == [0, 3, 6]
     assert (tmp_path / "draft-transformers" / "model.safetensors").is_file()

@@ -7,8 +7,9 @@ A set is named (``"humaneval"``) or given as a path to any JSONL file of the sam
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from dspark.jsonl import read_jsonl
 
 PROMPT_SETS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
 NAMES = ("gsm8k", "math500", "aime25", "humaneval", "mbpp", "mt-bench", "swe-bench")
@@ -25,7 +26,7 @@ def prompt_set_path(name_or_path: str | Path) -> Path:
 def read_turns(name_or_path: str | Path) -> list[list[str]]:
     """Every row's turns."""
     path = prompt_set_path(name_or_path)
-    rows = [json.loads(line).get("turns") or [] for line in path.read_text().splitlines() if line.strip()]
+    rows = [row.get("turns") or [] for row in read_jsonl(path)]
     rows = [r for r in rows if r]
     if not rows:
         raise ValueError(f"{path}: no prompts (one {{\"turns\": [...]}} per line expected)")

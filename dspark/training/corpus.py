@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark.jsonl import read_jsonl
 from dspark.training.dataset import _ngrams
 
 SEQ_LEN = 512
@@ -325,19 +326,6 @@ def banned_spans(benchmarks_dir: Path) -> set[tuple[str, ...]]:
             for turn in row["turns"]:
                 banned |= _ngrams(turn)
     return banned
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a JSONL file, split at ``\\n`` only (U+2028, U+2029, form feeds and the like are valid inside
-    JSON strings); a row that is not JSON raises a ValueError naming the file and the line."""
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: line {number} is not valid JSON ({err.msg})") from None
-    return rows
 
 
 def contaminated(text: str, banned: set[tuple[str, ...]]) -> bool:

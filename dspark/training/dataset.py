@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from dspark.jsonl import parse_jsonl, read_jsonl
+
 NGRAM = 13
 
 _NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivan", "Juno", "Kofi", "Lena", "Mateo",
@@ -286,8 +288,8 @@ def decontaminate(prompts: list[str], benchmark_dir: Path) -> list[str]:
     """Drop prompts sharing any 13-word span with a benchmark prompt."""
     banned: set[tuple[str, ...]] = set()
     for path in sorted(benchmark_dir.glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            for turn in json.loads(line)["turns"]:
+        for row in read_jsonl(path):
+            for turn in row["turns"]:
                 banned |= _ngrams(turn)
     return [p for p in prompts if not (_ngrams(p) & banned)]
 
@@ -299,7 +301,7 @@ def write_prompts_file(path: Path, prompts: list[str]) -> None:
 
 
 def read_prompts_file(path: Path) -> list[str]:
-    return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    return [row["prompt"] for row in read_jsonl(path)]
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -310,7 +312,7 @@ def read_rows(path: Path) -> list[dict]:
     if end < len(data):
         with path.open("r+b") as f:
             f.truncate(end)
-    return [json.loads(line) for line in data[:end].decode().splitlines() if line.strip()]
+    return parse_jsonl(data[:end].decode(), path)
 
 
 def generate_responses(engine, tokenizer, prompts: list[str], out_path: Path, max_tokens: int = 256,

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dspark.config import ConfigError
+from dspark.jsonl import read_jsonl
 from dspark.model.draft_model import DSparkDraft
 from dspark.model.target_model import TargetModel
 from dspark.training.calibration import cumulative_ece, sequential_temperature_scaling
@@ -313,7 +314,7 @@ class LearningCurve:
 
     def __init__(self, path: Path, cfg: TrainConfig):
         self.path, self.cfg = path, cfg
-        self.points = [json.loads(line) for line in path.open()] if path.is_file() else []
+        self.points = read_jsonl(path) if path.is_file() else []
 
     def record(self, draft: DSparkDraft, target: TargetModel, cache: TargetCache, step: int, seconds: float) -> dict:
         if self.points and self.points[-1]["step"] >= step:  # already measured (a resume at a checkpoint)
