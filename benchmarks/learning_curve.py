@@ -8,6 +8,9 @@ data run out.
 
     python -m benchmarks.learning_curve --run dspark=PATH/curve.jsonl --run control=PATH/curve.jsonl
         [--goal 3.45] [--out curve.json] [--plot curve.png]
+
+The distillation's curve (``dspark train --resume``: one line per point with every head trained beside the DSpark
+head) is read with ``--distill training/smollm2-135m-dspark/curve.jsonl``; its x axis is tokens of text read.
 """
 
 from __future__ import annotations
@@ -22,6 +25,19 @@ from dspark.jsonl import read_jsonl
 
 def read_curve(path: Path) -> list[dict]:
     return read_jsonl(path)
+
+
+def distill_runs(path: Path) -> dict[str, list[dict]]:
+    """The distillation's curve (every head on one line) as one run per head, x = tokens of text read (in the
+    ``anchors`` field the rest of this module reads)."""
+    runs: dict[str, list[dict]] = {}
+    for point in read_jsonl(path):
+        for name, head in point["heads"].items():
+            runs.setdefault(name, []).append({
+                "step": point["step"], "anchors": point["tokens_read"], "seconds": point["train_seconds"],
+                "block_size": len(head["acceptance_per_pos"]), "heldout_tau": head["tau"],
+                "heldout_acceptance_per_pos": head["acceptance_per_pos"]})
+    return runs
 
 
 def power_law(points: list[dict]) -> dict | None:
@@ -59,7 +75,8 @@ def summarise(runs: dict[str, list[dict]], goal: float) -> dict:
     return out
 
 
-def plot(runs: dict[str, list[dict]], summary: dict, path: Path) -> None:
+def plot(runs: dict[str, list[dict]], summary: dict, path: Path, x_label: str = "anchors trained (block starts)"
+         ) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,7 +94,7 @@ def plot(runs: dict[str, list[dict]], summary: dict, path: Path) -> None:
             left.plot(grid, [1 + fit["a"] * x ** fit["b"] for x in grid], ls=":", color="grey")
     for ax, label in ((left, "held-out tau (full blocks, analytic)"), (right, "held-out position-1 acceptance")):
         ax.set_xscale("log")
-        ax.set_xlabel("anchors trained (block starts)")
+        ax.set_xlabel(x_label)
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
@@ -89,12 +106,15 @@ def plot(runs: dict[str, list[dict]], summary: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", action="append", required=True, help="NAME=PATH of a curve.jsonl")
+    ap.add_argument("--run", action="append", default=[], help="NAME=PATH of a curve.jsonl")
+    ap.add_argument("--distill", type=Path, help="the distillation's curve.jsonl (every head, x: tokens read)")
     ap.add_argument("--goal", type=float, default=3.45, help="tau to extrapolate the budget for")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
-    runs = {}
+    runs = distill_runs(args.distill) if args.distill else {}
+    if not runs and not args.run:
+        ap.error("give --run NAME=PATH or --distill PATH")
     for item in args.run:
         name, _, path = item.partition("=")
         if not path:
@@ -112,7 +132,7 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2) + "\n")
     if args.plot:
-        plot(runs, summary, args.plot)
+        plot(runs, summary, args.plot, "tokens of text read" if args.distill else "anchors trained (block starts)")
 
 
 if __name__ == "__main__":

@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "--set draft.block_size=1 --set train.run_name=control")
     tr.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     tr.set_defaults(func=_train)
+    sub.add_parser("corpus", help="build or verify the distillation corpus of token ids (training/data); "
+                                  "dspark corpus --help")
     b = sub.add_parser("bench", help="acceptance and speed vs plain decoding on prompt sets, in one run")
     b.add_argument("--config", required=True)
     b.add_argument("--dataset", required=True, action="append",
@@ -281,6 +283,11 @@ def _vllm_args(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["corpus"]:  # its own parser (build / verify and their options, --help included)
+        from dspark.training.corpus import main as corpus_main
+
+        return corpus_main(argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "threads", None):
         import torch

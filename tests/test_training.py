@@ -336,9 +336,7 @@ def test_the_shipped_recipes_validate_and_auto_data_dtypes_are_the_machines_serv
     dtype a served ``dtype: auto`` target runs in on this machine, the reason logged; concrete dtypes are kept."""
     from dspark.dtype_choice import choose_dtype
     from dspark.schema import read_yaml
-    from dspark.training.recipe import with_machine_dtypes
-
-    from dspark.training.recipe import DistillFileConfig
+    from dspark.training.recipe import DistillFileConfig, with_machine_dtypes
 
     recipes = {path.name: (DistillFileConfig if "distill" in path.name else TrainFileConfig)(**read_yaml(path))
                for path in sorted((REPO / "configs").glob("train-*.yaml"))}

@@ -462,3 +462,34 @@ def verify(root: Path) -> list[str]:
                 bad.append(str(path))
     return bad
 
+
+
+# Tokens kept of each source (None: all): the code share is capped so docs, dialogues and prose weigh in.
+CAPS = {"package-code": 5_000_000, "package-dialogues": 8_000_000}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dspark corpus build|verify``: (re)build sources of the corpus, or check every file against its manifest."""
+    import argparse
+
+    from dspark.evaluation.prompt_sets import PROMPT_SETS_DIR
+    from dspark.loader import load_tokenizer
+
+    ap = argparse.ArgumentParser(prog="dspark corpus", description=main.__doc__)
+    ap.add_argument("action", choices=("build", "verify"))
+    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2] / "training" / "data")
+    ap.add_argument("--source", action="append", choices=sorted(SOURCES), help="sources to build (default: all)")
+    ap.add_argument("--target", default="${DSPARK_CACHE}/smollm2-135m-instruct", help="whose tokenizer")
+    args = ap.parse_args(argv)
+    if args.action == "verify":
+        bad = verify(args.root)
+        print("\n".join(bad) if bad else f"{args.root}: every file matches its manifest")
+        return 1 if bad else 0
+    import os
+
+    target = Path(os.path.expandvars(args.target.replace("${DSPARK_CACHE}", os.environ.get(
+        "DSPARK_CACHE", str(Path("~/.cache/dspark").expanduser())))))
+    tokenizer = load_tokenizer(target)
+    for name in args.source or sorted(SOURCES):
+        build_source(SOURCES[name], tokenizer, args.root, PROMPT_SETS_DIR, max_tokens=CAPS.get(name))
+    return 0
