@@ -18,6 +18,8 @@ State, two copies:
   (the frozen LM head rows left out: the target's rows of the vocabulary), ``state.json`` (step, tokens read,
   consumed counts, seed, schedule) and ``curve.jsonl``. A resume from it restarts the optimiser with a short
   warm-up (``warmup`` steps, visible on the curve).
+SIGTERM (or Ctrl-C) ends a run cleanly: the step in progress finishes, then a curve point, the export and the local
+checkpoint.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import json
 import math
 import os
 import random
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -337,10 +341,15 @@ class Distiller:
             metrics[name] = values
         self.state["step"] += 1
         self.state["tokens_read"] += int(ids.numel())
+        return metrics
+
+    def end_ablation(self) -> None:
+        """Past ``ablation_tokens`` the no-Markov ablation stops: a last curve point for every head (the ablation
+        against the DSpark head at the same point), then it is dropped."""
         if "no-markov" in self.heads and self.state["tokens_read"] >= self.cfg.ablation_tokens:
+            self.evaluate()
             self.log(f"[distill] the no-Markov ablation stops at {self.state['tokens_read']} tokens")
             del self.heads["no-markov"]
-        return metrics
 
     # ---- learning curve
     @torch.no_grad()
@@ -391,7 +400,10 @@ class Distiller:
             self.evaluate()
             self.export()
         clock, tokens_at_clock = time.time(), self.state["tokens_read"]
-        while True:
+        stop = []  # SIGTERM / SIGINT: finish the step, then the last curve point, export and checkpoint
+        previous = {sig: signal.signal(sig, lambda *_: stop.append(True)) for sig in (signal.SIGTERM, signal.SIGINT)} \
+            if threading.current_thread() is threading.main_thread() else {}
+        while not stop:
             if cfg.max_steps is not None and self.state["step"] >= cfg.max_steps:
                 break
             if cfg.time_budget_s is not None and time.time() - started >= cfg.time_budget_s:
@@ -405,6 +417,7 @@ class Distiller:
             t0 = time.time()
             self.step()
             self.state["train_seconds"] += time.time() - t0
+            self.end_ablation()
 
             if self.state["step"] % 10 == 0:
                 rate = (self.state["tokens_read"] - tokens_at_clock) / (time.time() - clock)
@@ -422,6 +435,9 @@ class Distiller:
                 self.export()
                 self.save_local()
                 last_export = time.time()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        self.log(f"[distill] stopping at step {self.state['step']}: last curve point, export, checkpoint")
         self.evaluate()
         self.export()
         self.save_local()
