@@ -62,7 +62,8 @@ def _train(args: argparse.Namespace) -> int:
         except ValidationError as exc:
             raise ConfigError(config, format_validation_error(exc)) from None
         paths = EngineFileConfig(target={"path": "."}, base_dir=str(Path(config).resolve().parent))
-        run_distillation(distill, paths.resolve, log=lambda line: print(line, flush=True))
+        run_distillation(distill, paths.resolve, log=lambda line: print(line, flush=True),
+                         export_to=Path(args.export) if args.export else None)
         return 0
     if not args.config:
         raise ConfigError("--config", "required (or --resume: continue the committed distillation)")
@@ -188,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "default configs/train-smollm2-distill.yaml)")
     tr.add_argument("--resume", action="store_true",
                     help="continue the distillation over the corpus in git from its last committed (or local) state")
+    tr.add_argument("--export", metavar="DIR", help="with --resume: write the DSpark head of the current state to DIR "
+                                                  "(speculators layout, bf16) instead of training")
     tr.add_argument("--stages", default="data,cache,train,export", help="comma-separated subset of the stages")
     tr.add_argument("--steps", type=int, default=None, help="override train.steps")
     tr.add_argument("--lr", type=float, default=None, help="override train.lr (peak learning rate)")

@@ -296,9 +296,11 @@ SOURCES: dict[str, Source] = {s.name: s for s in (
     Source("python-stdlib-dialogues", "PSF-2.0", "Functions and classes of the standard library with a docstring: "
                                                 "'what does X do' answered by its docstring, 'write X' by its code.",
            "chat", stdlib_docstrings),
-    Source("package-docs", "each package's own (MIT, BSD, Apache-2.0, PSF, ISC, MPL; listed per package in the "
-                           "manifest)", "READMEs and Markdown/reStructuredText files of the permissively licensed "
-                                       "Python packages installed by `make install`.", "docs", package_docs),
+    Source("package-docs",
+           "each package's own permissive licence (MIT, BSD, Apache-2.0, PSF, ISC or MPL: packages under any other "
+           "are skipped)",
+           "READMEs and Markdown/reStructuredText files of the permissively licensed Python packages installed by "
+           "`make install`.", "docs", package_docs),
     Source("package-code", "BSD-3-Clause / MIT / Apache-2.0 (per package in the manifest)",
            "Modules of numpy, sympy, networkx, mpmath, jinja2, click, pydantic, transformers, torch and other "
            "permissively licensed packages installed by `make install` (tests and vendored code left out).",

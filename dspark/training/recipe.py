@@ -318,8 +318,9 @@ class DistillFileConfig(_Strict):
     distill: DistillSpec = Field(default_factory=DistillSpec, description="Optimisation.")
 
 
-def run_distillation(cfg: DistillFileConfig, resolve, log=print) -> dict:
-    """``dspark train --resume``: continue (or start) the distillation from the committed or local state."""
+def run_distillation(cfg: DistillFileConfig, resolve, log=print, export_to: Path | None = None) -> dict:
+    """``dspark train --resume``: continue (or start) the distillation from the committed or local state; with
+    ``export_to``, write the DSpark head of that state there (speculators layout, bf16) instead of training."""
     from dspark.training.distillation import CorpusRows, DistillConfig, Distiller
 
     dtype = resolve_dtype(cfg.dtype).dtype if cfg.dtype == "auto" else cfg.dtype
@@ -332,6 +333,13 @@ def run_distillation(cfg: DistillFileConfig, resolve, log=print) -> dict:
     distiller = Distiller(target, target32, corpus, draft_config(target32.config, cfg.draft, cfg.target_path),
                           DistillConfig(**cfg.distill.model_dump()), resolve(cfg.work_dir), resolve(cfg.state_dir),
                           end_of_turn_ids(tokenizer), log=log)
+    if export_to is not None:
+        head = distiller.heads["dspark"].draft.eval()
+        save_draft(head, export_to, torch.bfloat16)
+        state = {k: distiller.state[k] for k in ("step", "tokens_read", "train_seconds")}
+        (export_to / "training_state.json").write_text(json.dumps(state, indent=1) + "\n")
+        log(f"[distill] DSpark head at step {state['step']} ({state['tokens_read']} tokens read) -> {export_to}")
+        return state
     pause = resolve(cfg.work_dir) / "PAUSE"
     log(f"[distill] `touch {pause}` pauses the run between steps (or SIGSTOP / SIGCONT)")
     return distiller.run(pause_file=pause)
