@@ -110,3 +110,14 @@ def test_an_interrupted_run_resumes_on_the_same_rows_and_anchors_in_the_same_ord
     state = json.loads((tmp_path / "whole" / "state" / "state.json").read_text())
     assert state["step"] == 7 and state["tokens_read"] == 7 * 2 * 96 and state["heads"] == ["control", "dspark"]
     assert sum(state["consumed"].values()) == 14
+
+
+def test_a_pretokenized_exchange_is_packed_with_its_own_ids(tiny_tokenizer):
+    """The target's own responses keep the ids it wrote: header and reply go in as they are."""
+    packer = corpus.Packer(tiny_tokenizer, seq_len=64)
+    header, reply = (1, 40, 41, 42), tuple(range(50, 70))
+    packer.add(corpus.Document("p", "r", ids=(header, reply)))
+    packer._close_row(fill=True)
+    ids, spans = packer.take(1)
+    assert ids[0, :24].tolist() == list(header + reply)
+    assert spans.tolist() == [[0, 4, 24]] and ids[0, 24] == tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -47,6 +47,9 @@ MAX_PROMPT_CHARS = 600  # a longer request is cut (with ' ...')
 class Document:
     prompt: str  # the user's turn
     text: str  # the assistant's reply: the text itself
+    # already tokenized (the target's own responses): the prompt in the chat template, ready for the reply, and the
+    # reply's ids as the target wrote them (no end of turn); prompt / text are then their decoded forms
+    ids: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -289,6 +292,41 @@ def vim_docs(rng: random.Random) -> Iterator[Document]:
             yield Document(rng.choice(_DOC_PROMPTS).format(topic=f"{topic} (Vim help)"), text.strip())
 
 
+def responses_file() -> Path:
+    """Where ``dspark corpus respond`` writes the target's responses (outside git; the corpus keeps their ids)."""
+    import os
+
+    root = Path(os.path.expandvars(os.environ.get("DSPARK_CACHE", "~/.cache/dspark"))).expanduser()
+    return root / "train" / "responses" / "responses.jsonl"
+
+
+def target_responses(rng: random.Random) -> Iterator[Document]:
+    """The target's own replies to the training prompt mix (``dspark corpus respond``: vLLM, batched, half greedy
+    and half T=1 / top-p 0.95), ids as it wrote them: the served kind of text."""
+    from dspark.loader import load_tokenizer
+    from dspark.training.dataset import read_rows
+
+    path = responses_file()
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: run `dspark corpus respond` first")
+    tokenizer = load_tokenizer(_target_dir())
+    eos = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    for row in read_rows(path):
+        reply = list(row["response_ids"])
+        while reply and reply[-1] in eos:
+            reply.pop()
+        if reply and len(row["prompt_ids"]) <= SEQ_LEN // 2:  # a longer prompt would crowd its reply out
+            yield Document(tokenizer.decode(row["prompt_ids"]), tokenizer.decode(reply),
+                           ids=(tuple(row["prompt_ids"]), tuple(reply)))
+
+
+def _target_dir() -> Path:
+    import os
+
+    return Path(os.path.expandvars(os.environ.get("DSPARK_CACHE", "~/.cache/dspark"))).expanduser() / \
+        "smollm2-135m-instruct"
+
+
 SOURCES: dict[str, Source] = {s.name: s for s in (
     Source("python-stdlib-code", "PSF-2.0", "The Python 3.11 standard library's modules (tests, IDLE, tkinter, "
                                            "lib2to3 left out), each as a request for the module and its source.",
@@ -314,6 +352,10 @@ SOURCES: dict[str, Source] = {s.name: s for s in (
     Source("linux-docs", "GPL-2.0", "The Linux 6.1 kernel's documentation in English (Debian linux-doc-6.1, "
                                     "reStructuredText; translations and the HTML copy left out).", "docs",
            linux_docs),
+    Source("target-responses", "Apache-2.0 (SmolLM2-135M-Instruct's outputs; prompts built here from PSF/BSD/MIT "
+                               "sources and templates)",
+           "The target's own replies (vLLM, batched, half greedy, half T=1 / top-p 0.95) to the decontaminated "
+           "training prompt mix of dspark.training.dataset.build_prompts.", "chat", target_responses),
     Source("vim-docs", "Vim licence (charityware, GPL-compatible)", "Vim 9.0's user manual and reference help "
                                                                      "files (Debian vim-runtime).", "docs", vim_docs),
 )}
@@ -350,15 +392,19 @@ class Packer:
         self.current: list[int] = []
         self.content_tokens = 0
 
-    def add(self, prompt: str, text: str) -> None:
-        prompt = prompt if len(prompt) <= MAX_PROMPT_CHARS else prompt[:MAX_PROMPT_CHARS].rsplit(" ", 1)[0] + " ..."
-        body = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-        for first in range(0, len(body), MAX_PIECE_TOKENS):
-            self._add_piece(prompt if first == 0 else _CONTINUE, body[first: first + MAX_PIECE_TOKENS])
-
-    def _add_piece(self, prompt: str, body: list[int]) -> None:
-        while body:
+    def add(self, doc: Document) -> None:
+        if doc.ids is not None:
+            head, body = list(doc.ids[0]), list(doc.ids[1])
+        else:
+            prompt = doc.prompt if len(doc.prompt) <= MAX_PROMPT_CHARS else \
+                doc.prompt[:MAX_PROMPT_CHARS].rsplit(" ", 1)[0] + " ..."
             head = list(self.header(prompt))
+            body = self.tokenizer.encode(doc.text, add_special_tokens=False, split_special_tokens=True)
+        for first in range(0, len(body), MAX_PIECE_TOKENS):
+            self._add_piece(head if first == 0 else list(self.header(_CONTINUE)), body[first: first + MAX_PIECE_TOKENS])
+
+    def _add_piece(self, head: list[int], body: list[int]) -> None:
+        while body:
             room = self.seq_len - len(self.current) - len(head) - len(self.end)
             if room < 16:  # not worth an exchange: the rest of the row is the next exchange's start
                 if not self.current:
@@ -370,7 +416,7 @@ class Packer:
             self.current += head + piece + self.end
             self.spans.append((len(self.rows), start, start + len(piece)))  # the end-of-turn token, inclusive
             self.content_tokens += len(piece)
-            prompt = _CONTINUE
+            head = list(self.header(_CONTINUE))
             if len(self.current) >= self.seq_len - 16:
                 self._close_row(fill=True)
 
@@ -426,7 +472,7 @@ def build_source(source: Source, tokenizer, root: Path, benchmarks_dir: Path, *,
         if contaminated(doc.prompt + "\n" + doc.text, banned):
             dropped += 1
             continue
-        packer.add(doc.prompt, doc.text)
+        packer.add(doc)
         kept += 1
         if heldout is None and len(packer.rows) >= heldout_sequences:
             heldout = write_shard(out / "heldout.npz.xz", *packer.take(heldout_sequences))
@@ -478,7 +524,12 @@ def main(argv: list[str] | None = None) -> int:
     from dspark.loader import load_tokenizer
 
     ap = argparse.ArgumentParser(prog="dspark corpus", description=main.__doc__)
-    ap.add_argument("action", choices=("build", "verify"))
+    ap.add_argument("action", choices=("build", "verify", "respond"),
+                    help="respond: the target's replies to the training prompt mix (vLLM), for target-responses")
+    ap.add_argument("--prompts", type=int, default=16000, help="respond: prompts in the mix")
+    ap.add_argument("--max-tokens", type=int, default=256, help="respond: reply length cap")
+    ap.add_argument("--time-budget", type=float, default=None, help="respond: stop after this many seconds "
+                                                                    "(resumable: prompts with a row are skipped)")
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2] / "training" / "data")
     ap.add_argument("--source", action="append", choices=sorted(SOURCES), help="sources to build (default: all)")
     ap.add_argument("--target", default="${DSPARK_CACHE}/smollm2-135m-instruct", help="whose tokenizer")
@@ -487,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         bad = verify(args.root)
         print("\n".join(bad) if bad else f"{args.root}: every file matches its manifest")
         return 1 if bad else 0
+    if args.action == "respond":
+        return respond(args.prompts, args.max_tokens, args.time_budget)
     import os
 
     target = Path(os.path.expandvars(args.target.replace("${DSPARK_CACHE}", os.environ.get(
@@ -494,4 +547,26 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(target)
     for name in args.source or sorted(SOURCES):
         build_source(SOURCES[name], tokenizer, args.root, PROMPT_SETS_DIR, max_tokens=CAPS.get(name))
+    return 0
+
+
+def respond(prompts: int, max_tokens: int, time_budget_s: float | None, batch: int = 128) -> int:
+    """The target's replies (vLLM in the served default's dtype, ``batch`` at a time) to the first ``prompts`` of
+    the decontaminated training mix, appended to :func:`responses_file` (resumable)."""
+    from dspark.evaluation.prompt_sets import PROMPT_SETS_DIR
+    from dspark.loader import load_tokenizer
+    from dspark.training.dataset import build_prompts, decontaminate, generate_responses
+    from dspark.training.recipe import DataSpec, response_engine, with_machine_dtypes_of
+
+    data = with_machine_dtypes_of(DataSpec(engine="vllm", dtype="auto", cache_dtype="auto", batch=batch))
+    tokenizer = load_tokenizer(_target_dir())
+    engine = response_engine(data, None, _target_dir(), tokenizer)
+    out = responses_file()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tokens = generate_responses(engine, tokenizer, decontaminate(build_prompts(prompts), PROMPT_SETS_DIR), out,
+                                    max_tokens, time_budget_s=time_budget_s)
+    finally:
+        engine.shutdown()
+    print(f"[respond] {tokens} new response tokens -> {out}")
     return 0

@@ -177,17 +177,23 @@ def response_engine(data: DataSpec, target, target_dir: Path, tokenizer, device:
     return Engine(generator, tokenizer, None, EngineConfig(speculate=False, **engine))
 
 
+def with_machine_dtypes_of(data: DataSpec, log=print) -> DataSpec:
+    """``auto`` in ``data.dtype`` / ``data.cache_dtype`` made concrete for this machine, the choice logged."""
+    picks = {}
+    for name in ("dtype", "cache_dtype"):
+        if getattr(data, name) == "auto":
+            choice = resolve_dtype("auto")
+            picks[name] = choice.dtype
+            log(f"[data] {name}: {choice.dtype} ({choice.reason})")
+    return data.model_copy(update=picks) if picks else data
+
+
 def with_machine_dtypes(cfg: TrainFileConfig, log=print) -> TrainFileConfig:
     """``auto`` in ``data.dtype`` / ``data.cache_dtype`` made concrete for this machine, the choice logged: the
     responses and the cached states then come from the target in the dtype a served ``dtype: auto`` target runs in
     here (configs/embedded.yaml), at that dtype's speed."""
-    picks = {}
-    for name in ("dtype", "cache_dtype"):
-        if getattr(cfg.data, name) == "auto":
-            choice = resolve_dtype("auto")
-            picks[name] = choice.dtype
-            log(f"[data] {name}: {choice.dtype} ({choice.reason})")
-    return cfg.model_copy(update={"data": cfg.data.model_copy(update=picks)}) if picks else cfg
+    data = with_machine_dtypes_of(cfg.data, log)
+    return cfg if data is cfg.data else cfg.model_copy(update={"data": data})
 
 
 def run_recipe(cfg: TrainFileConfig, resolve, stages: tuple[str, ...] = ("data", "cache", "train", "export"),
