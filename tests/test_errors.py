@@ -79,7 +79,11 @@ def test_every_config_in_the_repo_validates():
     configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
     assert configs
     for path in configs:
-        if path.name.startswith("train-"):
+        if path.name.startswith("train-") and "distill" in path.name:
+            from dspark.training.recipe import DistillFileConfig
+
+            DistillFileConfig(**read_yaml(path))
+        elif path.name.startswith("train-"):
             TrainFileConfig(**read_yaml(path))
         elif path.name.startswith("serve"):  # a Ray Serve config file: Serve's own schema, and the app builds
             from ray.serve.schema import ServeDeploySchema
