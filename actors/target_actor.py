@@ -155,7 +155,7 @@ class RemoteTarget:
 
 
 def vllm_target(config: EngineFileConfig, placement=None, drafter_bundle: int | None = None):
-    """The vllm backend's target: vLLM's engine in this process (``dspark.integrations.vllm_compat.VllmEngine``)
+    """The vllm backend's target: vLLM's engine in this process (``dspark.integrations.vllm_0_32.engine.VllmEngine``)
     and, with ``engine.vllm_drafter: actor``, our DSpark head in a drafter actor beside it (bundle
     ``drafter_bundle`` of ``placement``, the replica's placement group), fed the hidden states over the feature
     channel. ``config`` with concrete dtypes.
@@ -192,7 +192,7 @@ def _vllm_target(config: EngineFileConfig, placement, drafter_bundle: int | None
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from actors.draft_actor import DrafterHostFactory
-    from dspark.integrations.vllm_compat import VllmEngine
+    from dspark.integrations.vllm_0_32.engine import VllmEngine
 
     engine = VllmEngine(config)
     if config.engine.vllm_drafter != "actor" or not engine.our_proposer:

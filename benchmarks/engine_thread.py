@@ -48,7 +48,7 @@ def _decode(engine, prompts: list[list[int]], max_tokens: int) -> float:
 def child(arrangement: str, prompts_count: int, max_tokens: int) -> float:
     from actors.target_actor import on_own_thread, vllm_target
     from dspark.evaluation.prompt_sets import read_prompts
-    from dspark.integrations.vllm_compat import VllmEngine
+    from dspark.integrations.vllm_0_32.engine import VllmEngine
     from dspark.loader import encode_chat
     from dspark.schema import load_engine_config, write_variant
 

@@ -87,35 +87,38 @@ def _pin(cpus: list[int]) -> None:
 # ------------------------------------------------------------------------------------------------ vLLM (own process)
 def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[list[int]], max_tokens: int,
                  greedy_batch_1_only: bool, queue, drafter: str = "colocated", cpus: list[int] | None = None,
-                 overlap: bool = True, draft_dtype: str | None = None) -> None:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+                 overlap: bool = True, draft_dtype: str | None = None, exact: bool | None = None,
+                 temperatures: tuple[str, ...] = tuple(TEMPERATURES)) -> None:
     if cpus:  # before vLLM and its OpenMP threads start: they inherit the cores and the thread count
         _pin(cpus)
+    from dspark.integrations.vllm_0_32.args import engine_arguments, engine_env
+
+    config = load_engine_config(config_path)
+    engine = {"backend": "vllm", "vllm_speculation": speculation, "vllm_drafter": drafter,
+              "vllm_draft_overlap": overlap, "max_num_seqs": CONCURRENCY}
+    if exact is not None:  # engine.vllm_exact: shape-invariant bf16 kernels (None: as the config says)
+        engine["vllm_exact"] = exact
+    config = config.model_copy(update={
+        "target": config.target.model_copy(update={"dtype": dtype}),
+        "draft": config.draft.model_copy(update={"dtype": draft_dtype or dtype}),
+        "engine": config.engine.model_copy(update=engine)})
+    os.environ.update(engine_env(config))  # as the replica's engine: the engine core here, the kernels chosen
     from vllm import LLM
     from vllm import SamplingParams as VllmParams
     from vllm.inputs import TokensPrompt
 
-    from dspark.integrations.vllm_compat import engine_arguments
-
-    config = load_engine_config(config_path)
-    config = config.model_copy(update={
-        "target": config.target.model_copy(update={"dtype": dtype}),
-        "draft": config.draft.model_copy(update={"dtype": draft_dtype or dtype}),
-        "engine": config.engine.model_copy(update={"backend": "vllm", "vllm_speculation": speculation,
-                                                   "vllm_drafter": drafter, "vllm_draft_overlap": overlap,
-                                                   "max_num_seqs": CONCURRENCY})})
     llm = LLM(**engine_arguments(config), disable_log_stats=False)  # its counters: vllm:spec_decode_*
     if drafter == "actor":  # the drafter actor of a served replica, on a local Ray cluster of this process
         import ray
 
         from actors.draft_actor import DrafterHostFactory
-        from dspark.integrations.vllm_compat import attach_remote_drafter
+        from dspark.integrations.vllm_0_32.remote_drafter import attach_remote_drafter
 
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
         attach_remote_drafter(llm, DrafterHostFactory(config))
     results = {}
     for label, (temperature, top_p) in TEMPERATURES.items():
-        if greedy_batch_1_only and temperature:
+        if (greedy_batch_1_only and temperature) or label not in temperatures:
             continue
 
         def params(i: int, temperature=temperature, top_p=top_p) -> VllmParams:
@@ -143,7 +146,7 @@ def _time_split(llm) -> dict | None:
     """Our proposer's step timeline so far, seconds (``StepDrafterStats``): vLLM's own work (target), its waits for
     drafts (draft), the draft pass (drafter), the features' trip to an actor (transport), vLLM's work while an actor
     drafted (overlap); None without our proposer."""
-    from dspark.integrations.vllm_compat import dspark_proposer
+    from dspark.integrations.vllm_0_32.remote_drafter import dspark_proposer
 
     proposer = dspark_proposer(llm)
     if proposer is None:
@@ -166,14 +169,17 @@ def _vllm_spec_counters(llm) -> dict:
 
 def vllm_system(config_path: Path, dtype: str, speculation: str, prompts, max_tokens: int,
                 greedy_batch_1_only: bool = False, drafter: str = "colocated", cpus: list[int] | None = None,
-                overlap: bool = True, draft_dtype: str | None = None) -> dict:
+                overlap: bool = True, draft_dtype: str | None = None, exact: bool | None = None,
+                temperatures: tuple[str, ...] = tuple(TEMPERATURES)) -> dict:
     """``cpus``: the engine's process on those cores, one thread each (None: this process's cores); ``overlap``:
     a drafter actor drafts while vLLM finishes its step (``engine.vllm_draft_overlap``); ``draft_dtype``: the
-    draft's (None: ``dtype``)."""
+    draft's (None: ``dtype``); ``exact``: ``engine.vllm_exact`` (None: the config's); ``temperatures``: the
+    labels of ``TEMPERATURES`` to run."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_vllm_worker, args=(str(config_path), dtype, speculation, prompts, max_tokens,
-                                                  greedy_batch_1_only, queue, drafter, cpus, overlap, draft_dtype))
+                                                  greedy_batch_1_only, queue, drafter, cpus, overlap, draft_dtype,
+                                                  exact, temperatures))
     proc.start()
     while True:  # a worker that dies (a bad engine argument) must not leave the run waiting forever
         try:

@@ -262,7 +262,8 @@ def _vllm_args(args) -> int:
     import json
     import shlex
 
-    from dspark.integrations.vllm_compat import WRITTEN_AGAINST, engine_arguments, serve_command
+    from dspark.integrations.vllm_0_32 import WRITTEN_AGAINST
+    from dspark.integrations.vllm_0_32.args import engine_arguments, serve_command
     from dspark.schema import load_engine_config
 
     config = load_engine_config(args.config)

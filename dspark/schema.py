@@ -109,6 +109,13 @@ class EngineSpec(_Strict):
     vllm_enforce_eager: bool = Field(
         True, description="vllm backend: skip torch.compile / CUDA graphs (starts in seconds; compiled it "
                           "decodes faster after a first start of minutes, cached on disk).")
+    vllm_exact: bool = Field(
+        False, description="vllm backend on CPUs, target in bf16/fp16: shape-invariant kernels (a lone row runs "
+                          "oneDNN's GEMM as two rows, attention in fixed 64-key chunks over a cache layout of our "
+                          "own; dspark/integrations/vllm_0_32/invariance.py), so a greedy request's tokens depend "
+                          "only on its prompt and parameters: not on other requests, drafting, streaming or the "
+                          "protocol. false: vLLM's own bf16 kernels (faster; greedy replies may differ from run to "
+                          "run). fp32 and GPUs are unaffected.")
     speculate: bool = Field(True, description="Speculative decoding on; off gives plain decoding.")
     block_size: int | None = Field(None, ge=1, description="Draft tokens per block (gamma); default: the "
                                                            "draft checkpoint's block_size.")
@@ -131,7 +138,8 @@ class EngineSpec(_Strict):
                            "rounds (lossless: the choice depends only on rounds already verified).")
 
     def to_core(self, dtype: str) -> EngineConfig:
-        vllm_only = {"backend", "vllm_enforce_eager", "vllm_speculation", "vllm_drafter", "vllm_draft_overlap"}
+        vllm_only = {"backend", "vllm_enforce_eager", "vllm_speculation", "vllm_drafter", "vllm_draft_overlap",
+                     "vllm_exact"}
         return EngineConfig(dtype=dtype, **self.model_dump(exclude=vllm_only))
 
 

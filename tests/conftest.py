@@ -277,7 +277,7 @@ def serve_run(tmp_dir: Path, http_port: int, grpc_port: int, host: str = "127.0.
 def assert_vllm_reads_as_we_do(config_file: Path) -> dict:
     """The installed vLLM's reading of a draft config.json equals ours (layer ids, block layout, vocabulary, ...)."""
     from dspark.formats.checkpoint import draft_config_from_json
-    from dspark.integrations.vllm_compat import our_draft_view, vllm_draft_view
+    from dspark.integrations.vllm_0_32.formats import our_draft_view, vllm_draft_view
 
     data = json.loads(Path(config_file).read_text())
     ours, theirs = our_draft_view(draft_config_from_json(data)), vllm_draft_view(data)
@@ -290,7 +290,7 @@ def plain_vllm_fp32(tmp_path_factory) -> dict:
     """Plain vLLM's fp32 greedy replies to the 40 shared chat prompts, one request at a time, with the embedded
     default's engine settings (``vllm_runs.fp32_vllm_config``, speculation off): the reference of both vLLM test
     modules (vLLM + our proposer against it; the native engine against it), run once per session."""
-    from dspark.integrations.vllm_compat import engine_arguments
+    from dspark.integrations.vllm_0_32.args import engine_arguments
 
     from vllm_runs import GREEDY, fp32_vllm_config, shared_prompts, vllm_generate, with_speculation
 

@@ -17,7 +17,7 @@ import yaml
 
 from deploy.ray_app import deployment_options
 from dspark.config import ConfigError
-from dspark.integrations.vllm_compat import engine_arguments, engine_env, serve_command
+from dspark.integrations.vllm_0_32.args import engine_arguments, engine_env, serve_command
 from dspark.schema import load_engine_config, write_variant
 from dspark.sizing import deployment_from_config, vllm_kv_cache_bytes
 from dspark.sizing import main as sizing_main
@@ -145,7 +145,7 @@ def test_our_dspark_proposer_as_a_vllm_serve_line(tmp_path, cli_quirks):
                          engine={"backend": "vllm", "vllm_speculation": "dspark_plugin"})
     argv, args = printed(path)
     assert args["speculative_config"] == {"method": "custom_class", "num_speculative_tokens": 7,
-                                          "model": "dspark.integrations.vllm_compat.DSparkProposer"}
+                                          "model": "dspark.integrations.vllm_0_32.proposer.DSparkProposer"}
     check_speculative_config(args["speculative_config"])
     options = args["additional_config"]["dspark"]
     assert (options["block_size"], options["scheduler"], options["draft_gate"]) == (7, "confidence", True)

@@ -19,7 +19,7 @@ import torch
 
 from dspark.config import SamplingParams
 from dspark.dtype_choice import choose_dtype
-from dspark.integrations.vllm_compat import engine_arguments
+from dspark.integrations.vllm_0_32.args import engine_arguments
 from dspark.loader import build_engine, load_tokenizer
 
 from conftest import KEY, REPO, serve_run, wait_for

@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from dspark.formats.checkpoint import draft_config_from_json
-from dspark.integrations.vllm_compat import engine_arguments
+from dspark.integrations.vllm_0_32.args import engine_arguments
 from dspark.loader import load_tokenizer
 
 from conftest import KEY, serve_run, wait_for

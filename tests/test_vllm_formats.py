@@ -13,7 +13,7 @@ import torch
 
 from dspark.config import DecoderConfig
 from dspark.formats.checkpoint import draft_config_from_json, load_draft, save_draft
-from dspark.integrations.vllm_compat import WRITTEN_AGAINST, installed_version
+from dspark.integrations.vllm_0_32 import WRITTEN_AGAINST, installed_version
 from dspark.model.draft_model import DSparkDraft
 from dspark.testing import tiny_draft_config
 

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import requests
 
-from dspark.integrations.vllm_compat import engine_arguments, engine_env
+from dspark.integrations.vllm_0_32.args import engine_arguments, engine_env
 from dspark.loader import load_tokenizer
 
 from conftest import KEY, serve_run, wait_for

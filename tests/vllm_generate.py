@@ -26,7 +26,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from dspark.integrations import step_drafter
-from dspark.integrations.vllm_compat import WorkerDrafter, dspark_proposer
+from dspark.integrations.vllm_0_32.remote_drafter import WorkerDrafter, dspark_proposer
 
 
 def break_draft_probs() -> None:
@@ -141,7 +141,7 @@ if __name__ == "__main__":
         import ray
 
         from actors.draft_actor import DrafterHostFactory
-        from dspark.integrations.vllm_compat import attach_remote_drafter
+        from dspark.integrations.vllm_0_32.remote_drafter import attach_remote_drafter
         from dspark.schema import EngineFileConfig
 
         ray.init(address="local", include_dashboard=False, log_to_driver=False)

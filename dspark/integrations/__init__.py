@@ -1,1 +1,1 @@
-"""Other engines: everything that touches vLLM internals, in one module (`vllm_compat`)."""
+"""Other engines: what touches vLLM internals lives in the package named for its vLLM version (`vllm_0_32`)."""

@@ -9,7 +9,7 @@ committed a new token: tokens, the exact distributions they were drawn from (so 
 losslessly) and the confidences. The draft gate (per request: skip drafting while recent blocks accept less than
 break-even) and the prefix scheduler (how many drafted tokens each row sends to verification) decide the lengths.
 
-No vLLM here: ``dspark.integrations.vllm_compat`` turns vLLM's model-runner state into :class:`StepRows` and the
+No vLLM here: ``dspark.integrations.vllm_0_32.proposer`` turns vLLM's model-runner state into :class:`StepRows` and the
 drafts back into what vLLM's scheduler and rejection sampler read.
 """
 

@@ -319,7 +319,7 @@ def generate_responses(engine, tokenizer, prompts: list[str], out_path: Path, ma
                        seed: int = 0, time_budget_s: float | None = None, log=print) -> int:
     """Regenerate responses with the target; append JSONL rows in prompt order; resume where a run stopped.
 
-    ``engine``: the native ``Engine`` or vLLM's (``dspark.integrations.vllm_compat.VllmEngine``): both take
+    ``engine``: the native ``Engine`` or vLLM's (``dspark.integrations.vllm_0_32.engine.VllmEngine``): both take
     ``add_request(prompt_ids, params, request_id)`` and stream each request's new tokens from ``step()``.
     A prompt whose token ids already have a row is skipped, so a run resumes even after the prompt
     mix changed (the rows already written stay as they are).

