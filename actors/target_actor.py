@@ -158,7 +158,7 @@ def vllm_target(config: EngineFileConfig, placement=None, drafter_bundle: int | 
     """The vllm backend's target: vLLM's engine in this process (``dspark.integrations.vllm_0_32.engine.VllmEngine``)
     and, with ``engine.vllm_drafter: actor``, our DSpark head in a drafter actor beside it (bundle
     ``drafter_bundle`` of ``placement``, the replica's placement group), fed the hidden states over the feature
-    channel. ``config`` with concrete dtypes.
+    channel. Built by ``dspark.builder.build_engine``, the one builder.
 
     Built on a thread of its own that ends once the engine is built (:func:`on_own_thread`), so that the OpenMP thread
     pool its loading, profiling and warm-up created ends with it: the serving loop's thread, which steps the engine,
@@ -192,18 +192,11 @@ def _vllm_target(config: EngineFileConfig, placement, drafter_bundle: int | None
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from actors.draft_actor import DrafterHostFactory
-    from dspark.integrations.vllm_0_32.engine import VllmEngine
+    from dspark.builder import build_engine
 
-    engine = VllmEngine(config)
-    if config.engine.vllm_drafter != "actor" or not engine.our_proposer:
-        return engine
     strategy = None
     if placement is not None and drafter_bundle is not None:
         strategy = PlacementGroupSchedulingStrategy(placement_group=placement,
                                                     placement_group_bundle_index=drafter_bundle)
-    try:  # in this process, or with tensor parallelism in vLLM's rank-0 worker
-        engine.attach_drafter(DrafterHostFactory(config, strategy))
-    except BaseException:
-        engine.shutdown()
-        raise
-    return engine
+    concrete = config.with_concrete_dtypes(target_on_gpu=torch.cuda.is_available())[0]
+    return build_engine(config, backend="vllm", drafter_host=DrafterHostFactory(concrete, strategy))

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.report import REPO, machine
+from dspark.builder import build_engine
 from dspark.decoding.drafter import DraftInputs
 from dspark.decoding.sampling import SamplingTensors
-from dspark.loader import build_engine
 from dspark.schema import load_engine_config
 from dspark.training.prepare import prepare_target
 
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     if "DSPARK_CACHE" in config.target.path:
         prepare_target()
     config = config.model_copy(update={"engine": config.engine.model_copy(update={"backend": "native"})})
-    engine = build_engine(config)  # the native engine binds the head to the target as the served paths do
+    # the native engine binds the head to the target as the served paths do
+    engine = build_engine(config, backend="native")
     drafter = engine.drafter
     draft_ms(drafter, 1, 0.0, 3)  # warm-up
     rows = [int(r) for r in args.rows.split(",")]

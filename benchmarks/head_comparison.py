@@ -21,10 +21,11 @@ import sys
 import time
 from pathlib import Path
 
+from dspark.builder import build_engine
 from dspark.config import SamplingParams
 from dspark.decoding.metrics import SpecMetrics
 from dspark.evaluation.prompt_sets import round_robin
-from dspark.loader import build_engine, encode_prompt
+from dspark.loader import encode_prompt
 from dspark.schema import load_engine_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +63,7 @@ def compare(config: Path, drafts: dict[str, str], prompts: int, max_tokens: int,
                      "heads": {}}
     for name, path in drafts.items():
         cfg = base.model_copy(update={"draft": base.draft.model_copy(update={"path": str(Path(path).resolve())})})
-        engine = build_engine(cfg)
+        engine = build_engine(cfg, backend="native")
         ids = [encode_prompt(engine.tokenizer, t, chat=True)[-(cfg.engine.max_model_len - max_tokens - 1):]
                for t in texts]
         results["dtypes"] = engine.dtypes

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.report import DATASETS, REPO, machine
+from dspark.builder import build_engine
 from dspark.config import SamplingParams
 from dspark.evaluation.prompt_sets import read_prompts
-from dspark.loader import build_engine, encode_prompt
+from dspark.loader import encode_prompt
 from dspark.schema import load_engine_config
 from dspark.training.prepare import prepare_target
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtypes.split(","):
         cfg = config.model_copy(update={"target": config.target.model_copy(update={"dtype": dtype}),
                                         "draft": config.draft.model_copy(update={"dtype": dtype})})
-        plain, spec = build_engine(cfg, speculate=False), build_engine(cfg)
+        plain, spec = build_engine(cfg, speculate=False, backend="native"), build_engine(cfg, backend="native")
         rows = []
         for name, group in texts.items():
             prompts = [encode_prompt(plain.tokenizer, t, chat=True) for t in group]

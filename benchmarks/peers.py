@@ -37,9 +37,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.report import REPO, SERVE_CONFIG, Served, _bin, machine, on_cpus
+from dspark.builder import build_engine
 from dspark.config import SamplingParams
 from dspark.evaluation.prompt_sets import read_prompts
-from dspark.loader import build_engine, encode_chat, load_tokenizer
+from dspark.loader import encode_chat, load_tokenizer
 from dspark.schema import load_engine_config, write_variant
 from dspark.training.prepare import prepare_target
 
@@ -195,7 +196,7 @@ def vllm_system(config_path: Path, dtype: str, speculation: str, prompts, max_to
 # ------------------------------------------------------------------------------------------------ in this process
 def native_system(config, speculate: bool, prompts, max_tokens: int) -> dict:
     engine = build_engine(config.model_copy(update={"engine": config.engine.model_copy(
-        update={"max_num_seqs": CONCURRENCY})}), speculate=speculate)
+        update={"max_num_seqs": CONCURRENCY})}), speculate=speculate, backend="native")
     results = {}
     for label, (temperature, top_p) in TEMPERATURES.items():
         def params(i: int, temperature=temperature, top_p=top_p) -> SamplingParams:

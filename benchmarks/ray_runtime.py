@@ -26,9 +26,10 @@ import ray
 import torch
 
 from actors.router import Router
+from dspark.builder import build_engine
 from dspark.config import ConfigError, SamplingParams
 from dspark.evaluation.prompt_sets import round_robin
-from dspark.loader import build_engine, encode_prompt
+from dspark.loader import encode_prompt
 from dspark.schema import load_engine_config
 from dspark.training.prepare import prepare_target
 
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if "DSPARK_CACHE" in config.target.path:
         prepare_target()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=0.95, seed=0)
-    engine = build_engine(config)
+    engine = build_engine(config, backend="native")
     prompts = [encode_prompt(engine.tokenizer, t, chat=True)
                for t in round_robin(DATASETS, args.requests_per_level)]
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -24,10 +24,11 @@ import sys
 from pathlib import Path
 
 from benchmarks.report import DATASETS, REPO, SERVE_CONFIG, Served, _bin, machine
+from dspark.builder import build_engine
 from dspark.config import SamplingParams
 from dspark.evaluation.bench import run_prompts
 from dspark.evaluation.prompt_sets import round_robin
-from dspark.loader import build_engine, encode_prompt
+from dspark.loader import encode_prompt
 from dspark.schema import load_engine_config, write_variant
 from dspark.training.prepare import prepare_target
 
@@ -36,7 +37,7 @@ def in_process(config, texts: list[str], max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     rows = {}
     for mode, speculate in (("on", True), ("off", False)):
-        engine = build_engine(config, speculate=speculate)
+        engine = build_engine(config, speculate=speculate, backend="native")
         prompts = [encode_prompt(engine.tokenizer, t, chat=True) for t in texts]
         run = run_prompts(engine, prompts, params, f"in-process speculation {mode}")
         m = run["metrics"]

@@ -27,6 +27,7 @@ from deploy.grpc_api import GrpcApi
 from deploy.openai_api import build_http_app
 from deploy.placement import drafter_bundle
 from deploy.request_adapter import RequestAdapter
+from dspark.builder import describe
 from dspark.schema import EngineFileConfig
 from dspark.training.prepare import default_target_dir, prepare_target
 
@@ -70,12 +71,14 @@ class DSparkServer(GrpcApi):
         if config.engine.backend == "vllm":  # vLLM's engine in this process: it computes here
             # threads: OMP_NUM_THREADS from the deployment (deploy.ray_app.replica_threads_env); vLLM binds them;
             # the drafter actor (engine.vllm_drafter: actor) takes the last bundle of the replica's placement group
-            self.router = vllm_target(config.with_concrete_dtypes(target_on_gpu=torch.cuda.is_available())[0],
-                                      get_current_placement_group(), drafter_bundle=drafter_bundle(config))
+            self.router = vllm_target(config, get_current_placement_group(), drafter_bundle=drafter_bundle(config))
         else:
             placement = get_current_placement_group()
             torch.set_num_threads(config.runtime.router_threads)  # the router only batches; actors compute
             self.router = Router(config, placement=placement, bundle_offset=1 if placement else 0)
+        if getattr(self.router, "description", None) is None:  # the native router (the vLLM engine has its own)
+            self.router.description = describe(config, self.router)
+            log.info("engine: %s", self.router.description)
         self.tokenizer = self.router.tokenizer
         self.adapter = RequestAdapter(config, self.tokenizer, self.router.target.config.vocab_size)
         self.telemetry = ReplicaTelemetry(config.name)
@@ -108,7 +111,7 @@ class DSparkServer(GrpcApi):
         """What GET /health adds for a caller with the API key."""
         return {"replica": self.replica_id, "actors": self.router.actor_pids,
                 "speculation_enabled": self.router.speculation_enabled, "dtypes": self.router.dtypes,
-                **self.loop.snapshot(), "autoscaling": self.loop.autoscaling_stats()}
+                "engine": self.router.description, **self.loop.snapshot(), "autoscaling": self.loop.autoscaling_stats()}
 
     def __del__(self):
         loop = getattr(self, "loop", None)

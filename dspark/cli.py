@@ -7,17 +7,19 @@ import json
 import sys
 from pathlib import Path
 
+from dspark.builder import BACKENDS
 from dspark.config import ConfigError
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from dspark.loader import build_engine, encode_prompt
+    from dspark.builder import build_engine
+    from dspark.loader import encode_prompt
     from dspark.schema import load_engine_config, sampling_from_values
 
     cfg = load_engine_config(args.config)
     params = sampling_from_values(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   top_k=args.top_k, seed=args.seed, stop=args.stop or None)
-    engine = build_engine(cfg, speculate=False if args.no_spec else None)
+    engine = build_engine(cfg, speculate=False if args.no_spec else None, backend=args.backend)
     tok = engine.tokenizer
     prompt_ids = encode_prompt(tok, args.prompt, args.chat)
     rid = engine.add_request(prompt_ids, params)
@@ -33,7 +35,8 @@ def _generate(args: argparse.Namespace) -> int:
     result = engine.result(rid)
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_tokens": len(prompt_ids),
-                          "finish_reason": result.finish_reason, "metrics": result.metrics.to_dict()}))
+                          "finish_reason": result.finish_reason, "metrics": result.metrics.to_dict(),
+                          "engine": engine.description}))
     else:
         print()
     return 0
@@ -109,7 +112,7 @@ def _bench(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         raise ConfigError("dataset", str(e)) from None
     results = run_bench(cfg, datasets, args.limit, args.max_tokens, args.temperature, args.top_p, args.block_size,
-                        tuple(args.baseline_dtypes.split(",")))
+                        tuple(args.baseline_dtypes.split(",")), backend=args.backend)
     table = markdown_table(results, results["block_size"])
     results["markdown"] = table
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
@@ -170,7 +173,8 @@ def _client(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for one prompt with the in-process engine")
+    gen = sub.add_parser("generate", help="generate text for one prompt with the engine the config serves, in this "
+                                          "process")
     gen.add_argument("--config", required=True, help="engine YAML config (e.g. configs/embedded.yaml)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
@@ -181,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--no-spec", action="store_true", help="plain decoding (no drafter)")
-    gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and metrics")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids, metrics and the engine")
+    gen.add_argument("--backend", choices=BACKENDS, default=None, help="override engine.backend (vllm: the served "
+                                                                       "default; native: the reference engine)")
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     gen.set_defaults(func=_generate)
     tr = sub.add_parser("train", help="train a DSpark head: data, target cache, training, calibration, export")
@@ -220,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="benchmark_results.json")
     b.add_argument("--plot", default=None, help="PNG of per-position acceptance")
     b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--backend", choices=BACKENDS, default=None, help="override engine.backend (vllm: the served "
+                                                                     "default; native: the reference engine)")
     b.set_defaults(func=_bench)
     from dspark.evaluation import loadtest
 

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import replace
 from pathlib import Path
 
 from dspark.config import ConfigError, EngineConfig
 from dspark.decoding.drafter import DSparkDrafter
-from dspark.decoding.engine import Engine
 from dspark.formats.checkpoint import load_draft
-from dspark.formats.target_checkpoint import load_target
 from dspark.model.target_model import DTYPES, TargetModel
 from dspark.schema import EngineFileConfig
 
@@ -39,26 +36,6 @@ def build_drafter(cfg: EngineFileConfig, target: TargetModel, engine_cfg: Engine
     draft.bind_target(target.embed_tokens, target.lm_head, head_in_draft_dtype=True)
     return DSparkDrafter(draft, engine_cfg.kv_cache_tokens, engine_cfg.kv_block_size, engine_cfg.draft_top_k,
                          engine_cfg.block_size)
-
-
-def build_engine(cfg: EngineFileConfig, speculate: bool | None = None) -> Engine:
-    """An in-process engine on this machine's CPU (``auto`` dtypes chosen here; ``engine.dtypes`` says how)."""
-    cfg, choices = cfg.with_concrete_dtypes()
-    for part, choice in choices.items():
-        log.info("%s dtype %s (%s)", part, choice.dtype, choice.reason)
-    target_path = cfg.resolve(cfg.target.path)
-    if not target_path.is_dir():
-        raise ConfigError("target.path", f"{target_path} is not a directory (run `dspark prepare`?)")
-    engine_cfg = cfg.engine.to_core(cfg.target.dtype)
-    if speculate is not None:
-        engine_cfg = replace(engine_cfg, speculate=speculate)
-    target = load_target(target_path, cfg.target.dtype, fp8_weights=cfg.target.fp8_mode(on_gpu=False))
-    tokenizer = load_tokenizer(target_path, cfg.target.trust_remote_code)
-    drafter = build_drafter(cfg, target, engine_cfg)
-    layers = drafter.model.config.target_layer_ids if drafter else ()
-    engine = Engine(target, tokenizer, drafter, engine_cfg, feature_layers=layers)
-    engine.dtypes = {part: c.as_dict() for part, c in choices.items()}
-    return engine
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:

@@ -110,12 +110,13 @@ class EngineSpec(_Strict):
         True, description="vllm backend: skip torch.compile / CUDA graphs (starts in seconds; compiled it "
                           "decodes faster after a first start of minutes, cached on disk).")
     vllm_exact: bool = Field(
-        False, description="vllm backend on CPUs, target in bf16/fp16: shape-invariant kernels (a lone row runs "
-                          "oneDNN's GEMM as two rows, attention in fixed 64-key chunks over a cache layout of our "
-                          "own; dspark/integrations/vllm_0_32/invariance.py), so a greedy request's tokens depend "
-                          "only on its prompt and parameters: not on other requests, drafting, streaming or the "
-                          "protocol. false: vLLM's own bf16 kernels (faster; greedy replies may differ from run to "
-                          "run). fp32 and GPUs are unaffected.")
+        True, description="vllm backend on CPUs, target in bf16/fp16: shape-invariant kernels (a lone row runs "
+                         "oneDNN's GEMM as two rows; attention computes every query row as a one-row request of "
+                         "its own, without the key split; dspark/integrations/vllm_0_32/invariance.py), so a "
+                         "greedy request's tokens depend only on its prompt and parameters: not on other requests, "
+                         "drafting, streaming or the protocol. Costs ~0.8x vLLM's own bf16 kernels, less than "
+                         "fp32 (~0.65x; docs/performance.md). false: vLLM's own bf16 kernels (greedy replies may "
+                         "differ from run to run). fp32 and GPUs are unaffected.")
     speculate: bool = Field(True, description="Speculative decoding on; off gives plain decoding.")
     block_size: int | None = Field(None, ge=1, description="Draft tokens per block (gamma); default: the "
                                                            "draft checkpoint's block_size.")

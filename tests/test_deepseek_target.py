@@ -101,13 +101,14 @@ def test_tensor_and_expert_parallel_shards_match_tp1_with_a_dspark_head(ray_clus
     import ray
 
     from actors.router import Router
+    from dspark.builder import build_engine
     from dspark.config import SamplingParams
-    from dspark.loader import build_engine
 
     path, draft_dir = deepseek64_with_draft
     params = SamplingParams(max_tokens=24, temperature=0.0)
     prompts = [tiny_tokenizer.encode(t)[:24] for t in ("def main(argv):", "import os, sys", "class Parser:")]
-    target_only = [r.token_ids for r in build_engine(ray_config(path, draft_dir), speculate=False).generate(
+    target_only = [r.token_ids for r in build_engine(ray_config(path, draft_dir), speculate=False,
+                                                                backend="native").generate(
         prompts, params)]
     reference = Router(ray_config(path, draft_dir))  # TP=1 on the Ray path, speculating
     try:

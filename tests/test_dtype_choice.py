@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspark.builder import build_engine
 from dspark.dtype_choice import choose_dtype, cpu_flags, resolve_dtype
-from dspark.loader import build_engine
 from dspark.schema import EngineFileConfig, load_engine_config
 
 from conftest import REPO
@@ -45,7 +45,7 @@ def test_embedded_default_resolves_both_parts_for_the_cpu_it_is_on():
 def test_engine_reports_the_dtype_it_chose(tiny_target_dir, tiny_draft_dir):
     cfg = EngineFileConfig(target={"path": str(tiny_target_dir)}, draft={"path": str(tiny_draft_dir)},
                            engine={"kv_cache_tokens": 1024, "max_num_seqs": 2, "scheduler": "full"})
-    engine = build_engine(cfg)
+    engine = build_engine(cfg, backend="native")
     expected = choose_dtype().dtype  # this machine's answer
     assert engine.dtypes["target"]["dtype"] == engine.dtypes["draft"]["dtype"] == expected
     assert engine.config.dtype == expected and "auto" in engine.dtypes["target"]["reason"]

@@ -60,10 +60,11 @@ def test_profile_is_measured_at_start_up(smollm2):
 
 
 def test_shipped_draft_loads_and_is_lossless_on_the_embedded_default(smollm2):
-    from dspark.loader import build_engine
+    from dspark.builder import build_engine
 
     cfg = embedded_exact()
-    engine = build_engine(cfg.model_copy(update={"target": cfg.target.model_copy(update={"path": str(smollm2[0])})}))
+    engine = build_engine(cfg.model_copy(update={"target": cfg.target.model_copy(update={"path": str(smollm2[0])})}),
+                          backend="native")
     assert engine.drafter is not None and engine.block_size == 7
     draft_cfg = engine.drafter.model.config
     assert draft_cfg.target_layer_ids == (2, 7, 21, 26, 28) and len(draft_cfg.confidence_temperatures) == 7

@@ -15,8 +15,9 @@ import pytest
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dspark.builder import build_engine
 from dspark.config import SamplingParams
-from dspark.loader import build_engine, encode_prompt
+from dspark.loader import encode_prompt
 from dspark.v1 import serving_pb2 as pb
 from dspark.v1 import serving_pb2_grpc
 
@@ -112,7 +113,8 @@ def test_loadtest_refuses_remote_targets():
 def test_killing_the_drafter_under_load_loses_nothing(app, model):
     """SIGKILL the drafter process mid-run: every request completes, exactly the target's greedy output."""
     prompts = benchmark_prompts("humaneval", 3) + benchmark_prompts("gsm8k", 3)
-    engine = build_engine(app.model_copy(update={"engine": app.engine.model_copy(update={"speculate": False})}))
+    engine = build_engine(app.model_copy(update={"engine": app.engine.model_copy(update={"speculate": False})}),
+                          backend="native")
     expected = [r.token_ids for r in engine.generate(
         [encode_prompt(engine.tokenizer, p, chat=True) for p in prompts], SamplingParams(max_tokens=48, temperature=0))]
     texts = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]

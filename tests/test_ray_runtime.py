@@ -8,9 +8,10 @@ import pytest
 
 from actors.collective import feature_source
 from actors.router import Router, replica_bundles
+from dspark.builder import build_engine
 from dspark.config import ConfigError, SamplingParams
 from dspark.dtype_choice import choose_dtype
-from dspark.loader import build_engine, encode_prompt
+from dspark.loader import encode_prompt
 from dspark.schema import EngineFileConfig
 from dspark.training.prepare import prepare_target
 
@@ -36,7 +37,7 @@ def tiny_prompts(tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def in_process_greedy(tiny_target_dir, tiny_draft_dir, tiny_prompts):
-    engine = build_engine(tiny_config(tiny_target_dir, tiny_draft_dir), speculate=False)
+    engine = build_engine(tiny_config(tiny_target_dir, tiny_draft_dir), speculate=False, backend="native")
     return [r.token_ids for r in engine.generate(tiny_prompts, GREEDY)]
 
 
@@ -179,7 +180,7 @@ def test_placement_and_config_errors(ray_cluster, tiny_target_dir, tiny_draft_di
 def test_embedded_default_ray_equals_in_process(ray_cluster):
     prepare_target()
     config = embedded_exact()
-    engine = build_engine(config)
+    engine = build_engine(config, backend="native")
     # 12 prompts, 3 per set: more than max_num_seqs (8), so the Ray path admits, batches and retires as in-process
     texts = [t for name in ("humaneval", "mbpp", "gsm8k", "mt-bench") for t in benchmark_prompts(name, 3)]
     prompts = [encode_prompt(engine.tokenizer, t, chat=True) for t in texts]

@@ -11,8 +11,9 @@ import threading
 import pytest
 import requests
 
+from dspark.builder import build_engine
 from dspark.config import SamplingParams
-from dspark.loader import build_engine, encode_prompt
+from dspark.loader import encode_prompt
 
 from conftest import HTTP, benchmark_prompts, deploy_app, wait_for
 
@@ -52,7 +53,7 @@ def replica_health(count: int = 2, timeout_s: float = 120.0) -> dict[str, dict]:
 
 def test_a_shard_dying_on_one_replica_leaves_the_other_replicas_requests_untouched(two_replicas):
     prompts = benchmark_prompts("mt-bench", 4) + benchmark_prompts("gsm8k", 4)
-    engine = build_engine(two_replicas, speculate=False)
+    engine = build_engine(two_replicas, speculate=False, backend="native")
     expected = [engine.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in engine.generate(
         [encode_prompt(engine.tokenizer, p, chat=True) for p in prompts],
         SamplingParams(max_tokens=MAX_TOKENS, temperature=0))]

@@ -11,8 +11,9 @@ import pytest
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dspark.builder import build_engine
 from dspark.config import SamplingParams
-from dspark.loader import build_engine, encode_prompt
+from dspark.loader import encode_prompt
 from dspark.v1 import serving_pb2 as pb
 from dspark.v1 import serving_pb2_grpc
 
@@ -47,7 +48,7 @@ def client(served):
 
 @pytest.fixture(scope="module")
 def engine(served):
-    return build_engine(served)
+    return build_engine(served, backend="native")
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,11 @@ import pytest
 import requests
 import torch
 
+from dspark.builder import build_engine
 from dspark.config import SamplingParams
 from dspark.dtype_choice import choose_dtype
-from dspark.integrations.vllm_0_32.args import engine_arguments
-from dspark.loader import build_engine, load_tokenizer
+from dspark.integrations.vllm_0_32.args import engine_arguments, engine_env
+from dspark.loader import load_tokenizer
 
 from conftest import KEY, REPO, serve_run, wait_for
 from vllm_runs import (
@@ -80,7 +81,7 @@ def offline_greedy(config, plain_vllm_fp32: dict, tmp: Path, count: int = PROMPT
     if args == engine_arguments(with_speculation(fp32_vllm_config(), "off")):
         return plain_vllm_fp32["outputs"][:count]
     prompts = shared_prompts(load_tokenizer(config.resolve(config.target.path)), count)
-    run, = vllm_generate(args, prompts, [GREEDY], tmp)
+    run, = vllm_generate(args, prompts, [GREEDY], tmp, env=engine_env(config))  # the served kernels
     return run["outputs"]
 
 
@@ -119,7 +120,7 @@ def test_native_engine_differs_from_vllm_only_at_near_ties(app, offline, plain_v
     count = BF16_EMULATED_PROMPTS if emulated else PROMPTS
     theirs_all = (offline if dtype == served(app.config).target.dtype
                   else offline_greedy(config, plain_vllm_fp32, tmp_path, count))[:count]
-    engine = build_engine(config, speculate=False)
+    engine = build_engine(config, speculate=False, backend="native")
     assert engine.config.dtype == dtype
     ids = shared_prompts(engine.tokenizer, count)
     native = [r.token_ids for r in engine.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]

