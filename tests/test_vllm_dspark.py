@@ -127,6 +127,9 @@ def test_acceptance_agrees_with_the_native_engine(greedy_runs):
 # ------------------------------------------------------------------------------------------------ sampled, tiny model
 VOCAB, STEPS, N = 8, 3, 4000
 PROMPT = [1, 4, 2, 5, 3]
+# every bigram (3, v) occurs, and the prompt ends in 3: whatever x1 is, prompt lookup finds a match and drafts
+LOOKUP_PROMPT = [3, 3, 0, 3, 1, 3, 2, 3, 4, 3, 5, 3, 6, 3, 7, 3]
+N_LOOKUP = 2000
 SAMPLED = {"max_tokens": STEPS, "temperature": 1.0, "top_p": 0.95, "ignore_eos": True, "detokenize": False}
 
 
@@ -166,9 +169,12 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exact(tiny) -> torch.Tensor:
+    return enumerated(tiny[0], PROMPT)
+
+
+def enumerated(model, prompt: list[int]) -> torch.Tensor:
     """P(x1, x2, x3 | prompt) under the target at T=1 / top-p 0.95, [V, V, V], enumerated in fp64."""
-    model = tiny[0]
-    seqs = [PROMPT + list(prefix) for prefix in itertools.product(range(VOCAB), repeat=STEPS - 1)]
+    seqs = [prompt + list(prefix) for prefix in itertools.product(range(VOCAB), repeat=STEPS - 1)]
     with torch.inference_mode():
         logits = model(torch.tensor(seqs)).logits[:, -STEPS:]  # [S, 3, V]
     params = SamplingTensors.build([SamplingParams(max_tokens=1, temperature=1.0, top_p=0.95)] * (len(seqs) * STEPS),
@@ -182,9 +188,9 @@ def exact(tiny) -> torch.Tensor:
     return joint
 
 
-def sampled_counts(tiny, broken: bool) -> tuple[torch.Tensor, dict]:
+def sampled_counts(tiny, broken: bool, prompt: list[int] = PROMPT, n: int = N) -> tuple[torch.Tensor, dict]:
     _, args, root = tiny
-    run, = vllm_generate(args, [PROMPT] * N, [{**SAMPLED, "seed": i} for i in range(N)], root, concurrency=(N,),
+    run, = vllm_generate(args, [prompt] * n, [{**SAMPLED, "seed": i} for i in range(n)], root, concurrency=(n,),
                          broken_draft_probs=broken)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     for tokens in run["outputs"]:
@@ -226,6 +232,32 @@ def test_the_test_catches_wrong_draft_probabilities(tiny, exact):
     """The proposer samples its drafts from one distribution and reports another (uniform): no longer lossless."""
     counts, _ = sampled_counts(tiny, broken=True)
     assert chi_square_p(counts, exact) < 1e-6
+
+
+def with_sources(tiny, sources: str):
+    model, args, root = tiny
+    options = {**args["additional_config"]["dspark"], "sources": sources}
+    return model, {**args, "additional_config": {"dspark": options}}, root
+
+
+def test_hybrid_drafting_keeps_the_target_distribution(tiny):
+    """``engine.draft_sources: hybrid`` on a prompt where lookup always finds a match: lookup drafts (one-point
+    distributions) and head drafts are both verified by the target's rejection sampler; the first three tokens keep
+    the target's distribution."""
+    counts, run = sampled_counts(with_sources(tiny, "hybrid"), broken=False, prompt=LOOKUP_PROMPT, n=N_LOOKUP)
+    sources = run["proposer"]["sources"]
+    assert sources["lookup"]["drafts"] > N_LOOKUP // 2 and sources["lookup"]["accepted_tokens"] > 0, sources
+    p = chi_square_p(counts, enumerated(tiny[0], LOOKUP_PROMPT))
+    print(f"hybrid: chi-square p = {p:.3f} over {N_LOOKUP} requests; sources {sources}")
+    assert p > 1e-3
+
+
+def test_the_test_catches_lookup_tokens_accepted_without_the_target_probability(tiny):
+    """Lookup drafts reported as uniform distributions instead of one-point ones: the rejection sampler then keeps
+    a lookup token with probability V p(x) rather than p(x). No longer lossless, and the test sees it."""
+    counts, run = sampled_counts(with_sources(tiny, "lookup"), broken=True, prompt=LOOKUP_PROMPT, n=N_LOOKUP)
+    assert run["proposer"]["sources"]["lookup"]["drafts"] > N_LOOKUP // 2
+    assert chi_square_p(counts, enumerated(tiny[0], LOOKUP_PROMPT)) < 1e-6
 
 
 def test_vllm_cpu_expand_is_fixed():

@@ -23,8 +23,12 @@ import torch
 from dspark.config import GREEDY_BELOW
 from dspark.decoding.draft_gate import DraftGate, GateState
 from dspark.decoding.drafter import DrafterUnavailable, DraftInputs
+from dspark.decoding.lookup import LookupRecord, PromptLookup
 from dspark.decoding.sampling import SamplingTensors
 from dspark.decoding.scheduler import StepCostProfile, schedule_full, schedule_prefix
+
+HEAD_PRIOR = 1.0  # expected accepted head tokens before a request's first verified head draft (the gate's prior)
+HEAD_SMOOTHING = 0.3  # as the gate's moving average
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class StepRows:
     features: torch.Tensor  # [sum num_scheduled, K * hidden] target states at the feature layers, rows packed
     params: list[RowParams]
     finished: set[str] = field(default_factory=set)  # requests the host is done with (free their context)
+    prompts: list[list[int] | None] | None = None  # per row starting this step (first position 0): its prompt ids
 
 
 @dataclass
@@ -62,6 +67,33 @@ class StepDrafts:
     tokens: list[list[int]]  # per row: the draft tokens to verify next step ([] = decode plainly)
     draft_probs: torch.Tensor | None  # [rows, G, V] the distributions they were drawn from (None: all rows greedy)
     confidences: torch.Tensor | None  # [rows, G]
+
+
+SOURCES = ("head", "lookup")  # where a row's draft comes from: the DSpark head, or prompt lookup
+
+
+@dataclass
+class SourceStats:
+    """One draft source's counters (``StepDrafterStats.sources``)."""
+
+    drafts: int = 0  # request-steps that verified a draft of this source
+    drafted_tokens: int = 0  # its tokens sent to verification
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [j] drafts that kept at least j + 1 tokens
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.drafts += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        while len(self.accepted_per_pos) < accepted:
+            self.accepted_per_pos.append(0)
+        for j in range(accepted):
+            self.accepted_per_pos[j] += 1
+
+    def as_dict(self) -> dict:
+        return {"drafts": self.drafts, "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
+                "accepted_per_pos": list(self.accepted_per_pos),
+                "acceptance_length": 1 + self.accepted_tokens / self.drafts if self.drafts else None}
 
 
 @dataclass
@@ -84,6 +116,8 @@ class StepDrafterStats:
     overlap_seconds: float = 0.0
     overlapped_steps: int = 0  # steps whose drafts were collected after the host's bookkeeping (overlap)
     step_seconds: float = 0.0  # the host's steps less the waits for drafts: its target passes and bookkeeping
+    sources: dict[str, SourceStats] = field(default_factory=lambda: {s: SourceStats() for s in SOURCES})
+    head_passes_skipped: int = 0  # steps where every drafting row took lookup: no draft pass ran
 
 
 class MeasuredCosts:
@@ -140,11 +174,15 @@ class MeasuredCosts:
 
 
 class _Sequence:
-    def __init__(self, generator: torch.Generator):
+    def __init__(self, generator: torch.Generator, prompt: list[int] | None = None):
         self.context = 0  # committed positions whose features the drafter holds (or has pending)
         self.generator = generator
         self.gate: GateState | None = None  # the draft gate's record, from the first step the gate exists
         self.broken = False  # out of step with the host: decodes plainly until it finishes
+        self.lookup = PromptLookup(prompt) if prompt is not None else None  # its tokens (lookup drafting)
+        self.lookup_record = LookupRecord()  # its verified lookup drafts
+        self.head_accepted = HEAD_PRIOR  # its head drafts' accepted tokens, moving average (without the gate)
+        self.source: str | None = None  # the source of the draft it has in verification
 
 
 @dataclass
@@ -155,11 +193,14 @@ class _InFlight:
     drafting: list[int]  # row indices that drafted
     positions: list[int]  # each drafting row's anchor position
     params: list[RowParams]  # each drafting row's
-    greedy: bool  # every drafting row greedy (no draft distributions needed)
+    greedy: bool  # every drafting (and lookup) row greedy (no draft distributions needed)
     started: float  # perf_counter when the call started
     submitted: float  # perf_counter when it was in flight (the host went on)
     ticket: object = None  # the drafter's handle on the call (submit_draft), or
     proposal: object = None  # the proposal itself (a drafter without submit_draft drafted at once)
+    lookup: dict[int, list[int]] = field(default_factory=dict)  # row index -> its lookup draft
+    lookup_conf: dict[int, list[float]] = field(default_factory=dict)  # row index -> P(token j kept | before kept)
+    lookup_budget: dict[int, int] = field(default_factory=dict)  # row index -> tokens it may still verify
 
 
 class StepDrafter:
@@ -177,11 +218,17 @@ class StepDrafter:
     until :meth:`attach` gives one."""
 
     def __init__(self, drafter, block_size: int, seed: int = 0, scheduler: str = "full", draft_gate: bool = False,
-                 calibration_steps: int = 6):
+                 calibration_steps: int = 6, sources: str = "head", vocab_size: int | None = None):
         """``scheduler``: 'full' (every drafted token verified) or 'confidence' (Algorithm 1 over the measured cost
         table, full blocks until it has one); ``draft_gate``: per request, skip drafting below the measured
         break-even; ``calibration_steps``: plain decode steps at start-up that measure the cost of a plain step
-        (only when the gate or the confidence scheduler needs the table)."""
+        (only when the gate or the confidence scheduler needs the table); ``sources``: 'head' (the DSpark head),
+        'lookup' (prompt lookup only) or 'hybrid' (per request and step, the source with more expected accepted
+        tokens per unit of step cost: :meth:`_choose`); ``vocab_size``: the target's, for lookup drafts' one-point
+        distributions when no head draft gives the shape."""
+        if sources not in ("head", "lookup", "hybrid"):
+            raise ValueError(f"sources must be 'head', 'lookup' or 'hybrid', got {sources!r}")
+        self.sources, self.vocab_size = sources, vocab_size
         self.drafter, self.block_size = drafter, block_size
         self.scheduler, self.use_gate = scheduler, draft_gate
         self.costs = MeasuredCosts()
@@ -219,7 +266,7 @@ class StepDrafter:
         self.stats.drafter_failures += 1
         self.stats.drafter_fallbacks += rows_that_wanted
 
-    def _start(self, rid: str, params: RowParams) -> _Sequence | None:
+    def _start(self, rid: str, params: RowParams, prompt: list[int] | None = None) -> _Sequence | None:
         self._release(rid)
         self._lost.discard(rid)
         handle = self._next_handle
@@ -229,7 +276,7 @@ class StepDrafter:
         self.drafter.start_sequence(handle, params.max_total_tokens)
         self._handles[rid] = handle
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.seeds))
-        seq = _Sequence(torch.Generator().manual_seed(seed))
+        seq = _Sequence(torch.Generator().manual_seed(seed), prompt if self.sources != "head" else None)
         self.sequences[rid] = seq  # its gate record starts once the gate exists (see propose)
         return seq
 
@@ -289,7 +336,8 @@ class StepDrafter:
         for rid in rows.finished:
             self._release(rid)
             self._lost.discard(rid)
-        drafting: list[int] = []  # row indices that draft this step
+        drafting: list[int] = []  # row indices that draft this step with the head
+        lookups: dict[int, tuple[list[int], list[float]]] = {}  # row index -> lookup draft, its conditionals
         anchors, positions = [], []
         offsets = [0]
         for n in rows.num_scheduled:
@@ -299,7 +347,7 @@ class StepDrafter:
             first, committed = rows.first_positions[i], rows.committed_tokens[i]
             seq = self.sequences.get(rid)
             if first == 0:
-                seq = self._start(rid, rows.params[i])
+                seq = self._start(rid, rows.params[i], rows.prompts[i] if rows.prompts is not None else None)
             elif seq is not None and not seq.broken and seq.context != first:
                 seq.broken = True  # preempted and resumed from a prefix we never saw, or a bug: stop drafting it
                 self.stats.resyncs += 1
@@ -310,8 +358,10 @@ class StepDrafter:
             if seq.gate is None and self.gate is not None:
                 seq.gate = self.gate.new_state()
             batch = DraftGate.batch_of(decoding, rows.params[i].greedy)
-            if rows.num_drafted[i] and committed and seq.gate is not None:
-                self.gate.record(seq.gate, len(committed) - 1, batch)
+            if rows.num_drafted[i] and committed:
+                self._record(seq, rows.num_drafted[i], len(committed) - 1, batch)
+            if committed and seq.lookup is not None:
+                seq.lookup.extend(committed)
             kept = rows.num_scheduled[i] if not committed else rows.num_scheduled[i] - rows.num_drafted[i] + \
                 len(committed) - 1  # the row's last input token plus its accepted drafts (all of a prompt chunk)
             commit_ids.append(self._handles[rid])
@@ -324,6 +374,12 @@ class StepDrafter:
             if budget <= 0:
                 continue
             if not rows.params[i].speculate:
+                continue
+            lookup = self._choose(seq, min(budget, self.block_size), rows.params[i])
+            if lookup is not None:
+                lookups[i] = lookup
+                continue
+            if self.sources == "lookup":
                 continue
             clock = DraftGate.clock_of(self.stats.steps, rows.params[i].greedy)
             if seq.gate is not None and not self.gate.wants_draft(seq.gate, batch, clock):
@@ -339,13 +395,23 @@ class StepDrafter:
             except DrafterUnavailable:
                 self._drafter_lost(len(drafting))
                 return StepDrafts(tokens, None, None)
-        if drafting and self.calibration_left > 0:  # plain steps first: the cost table's plain points
+        if (drafting or lookups) and self.calibration_left > 0:  # plain steps first: the cost table's plain points
             self.calibration_left -= 1
-            drafting = []
-        if not drafting:
+            drafting, lookups = [], {}
+        if not drafting and not lookups:
             return StepDrafts(tokens, None, None)
         start = time.perf_counter()
         params = [rows.params[i] for i in drafting]
+        every_greedy = all(rows.params[i].greedy for i in [*drafting, *lookups])
+        for i in lookups:
+            self.sequences[rows.request_ids[i]].source = "lookup"
+        for i in drafting:
+            self.sequences[rows.request_ids[i]].source = "head"
+        if not drafting:  # every drafting row took lookup: no draft pass this step
+            self.stats.head_passes_skipped += 1
+            flight = _InFlight(len(rows.request_ids), [], [], [], every_greedy, start, time.perf_counter())
+            self._add_lookups(flight, lookups, rows)
+            return flight
         sampling = SamplingTensors(
             torch.tensor([p.temperature for p in params], dtype=torch.float32),
             torch.tensor([p.top_p for p in params], dtype=torch.float32),
@@ -353,7 +419,8 @@ class StepDrafter:
             [self.sequences[rows.request_ids[i]].generator for i in drafting])
         handles = [self._handles[rows.request_ids[i]] for i in drafting]
         inputs = DraftInputs(handles, torch.tensor(anchors), torch.tensor(positions))
-        flight = _InFlight(len(rows.request_ids), drafting, positions, params, bool(sampling.greedy.all()), start, 0.0)
+        flight = _InFlight(len(rows.request_ids), drafting, positions, params, every_greedy, start, 0.0)
+        self._add_lookups(flight, lookups, rows)
         try:
             if hasattr(self.drafter, "submit_draft"):  # behind an actor: it drafts while the host goes on
                 flight.ticket = self.drafter.submit_draft(inputs, sampling)
@@ -370,32 +437,54 @@ class StepDrafter:
         resumed = time.perf_counter()
         drafting, positions = flight.drafting, flight.positions
         tokens: list[list[int]] = [[] for _ in range(flight.num_rows)]
-        try:
-            proposal = flight.proposal if flight.ticket is None else self.drafter.draft_result(flight.ticket)
-        except DrafterUnavailable:
-            self._drafter_lost(len(drafting))
-            self._waited += time.perf_counter() - resumed
+        proposal = None
+        if drafting:
+            try:
+                proposal = flight.proposal if flight.ticket is None else self.drafter.draft_result(flight.ticket)
+            except DrafterUnavailable:
+                self._drafter_lost(len(drafting))
+                self._waited += time.perf_counter() - resumed
+                drafting = []
+        lookup_rows = list(flight.lookup)
+        if not drafting and not lookup_rows:
             return StepDrafts(tokens, None, None)
-        budgets = torch.tensor([p.max_total_tokens - positions[k] - 1 for k, p in enumerate(flight.params)])  # [B]
+        # one schedule over both sources' rows: [head rows, then lookup rows], conditionals c[r, j]: [B, G]
+        block = self.block_size
+        conf_rows = [proposal.confidences.float()] if drafting else []
+        if lookup_rows:
+            conf_rows.append(torch.tensor([(flight.lookup_conf[i] + [0.0] * block)[:block] for i in lookup_rows]))
+        confidences_all = torch.cat(conf_rows)  # [B, G]
+        head_budgets = [p.max_total_tokens - positions[k] - 1 for k, p in enumerate(flight.params)] if drafting else []
+        budgets = torch.tensor(head_budgets + [flight.lookup_budget[i] for i in lookup_rows], dtype=torch.long)  # [B]
         profile = self.costs.profile() if self.scheduler == "confidence" else None
         if profile is not None:
-            lengths = schedule_prefix(proposal.confidences, profile, budgets.clamp(max=self.block_size))
+            lengths = schedule_prefix(confidences_all, profile, budgets.clamp(max=block))
         else:
-            lengths = schedule_full(self.block_size, budgets)
+            lengths = schedule_full(block, budgets)
         lengths_list = lengths.tolist()  # once per step, for the host's per-request lists
-        block_tokens = proposal.tokens.tolist()
-        for k, i in enumerate(drafting):
-            tokens[i] = block_tokens[k][: lengths_list[k]]
-        self.stats.drafted_rows += len(drafting)
-        self.stats.drafted_tokens += proposal.tokens.numel()
+        if drafting:
+            block_tokens = proposal.tokens.tolist()
+            for k, i in enumerate(drafting):
+                tokens[i] = block_tokens[k][: lengths_list[k]]
+            self.stats.drafted_rows += len(drafting)
+            self.stats.drafted_tokens += proposal.tokens.numel()
+        for k, i in enumerate(lookup_rows):
+            tokens[i] = flight.lookup[i][: lengths_list[len(drafting) + k]]
         self.stats.scheduled_tokens += sum(lengths_list)
         probs = None
-        if proposal.draft_probs is not None and not flight.greedy:
-            draft_probs = proposal.draft_probs.to_dense()  # [B, G, V]
-            probs = draft_probs.new_zeros(flight.num_rows, *draft_probs.shape[1:])
-            probs.index_copy_(0, torch.tensor(drafting), draft_probs)
-        confidences = proposal.confidences.new_zeros(flight.num_rows, proposal.confidences.shape[1])
-        confidences.index_copy_(0, torch.tensor(drafting), proposal.confidences)
+        if not flight.greedy:  # the distributions the drafts were drawn from: [rows, G, V]
+            if drafting and proposal.draft_probs is not None:
+                draft_probs = proposal.draft_probs.to_dense()  # [B, G, V]
+                probs = draft_probs.new_zeros(flight.num_rows, *draft_probs.shape[1:])
+                probs.index_copy_(0, torch.tensor(drafting), draft_probs)
+            elif lookup_rows:
+                probs = torch.zeros(flight.num_rows, block, self.vocab_size)
+            for i in lookup_rows:  # a lookup draft is a one-point distribution at each of its tokens
+                for j, token in enumerate(tokens[i]):
+                    probs[i, j].zero_()
+                    probs[i, j, token] = 1.0
+        confidences = confidences_all.new_zeros(flight.num_rows, block)
+        confidences.index_copy_(0, torch.tensor(drafting + lookup_rows), confidences_all)
         done = time.perf_counter()
         self._waited += done - resumed
         away = resumed - flight.submitted  # the host's own work while the call ran (~0 without overlap)
@@ -407,8 +496,56 @@ class StepDrafter:
         if self._overlap:
             self.stats.overlap_seconds += away
             self.stats.overlapped_steps += 1
-        self.costs.record_draft(waited, len(drafting))
+        if drafting:
+            self.costs.record_draft(waited, len(drafting))
         return StepDrafts(tokens, probs, confidences)
+
+    # ------------------------------------------------------------------------------------------------ sources
+    def _choose(self, seq: _Sequence, k: int, params: RowParams) -> tuple[list[int], list[float]] | None:
+        """The request's lookup draft if lookup is this step's source for it, else None (the head's turn, or
+        nothing). Hybrid: lookup when its expected accepted tokens per second of step are at least the head's —
+        ``(1 + E) / t(1 + k)`` for lookup (no draft pass) against ``(1 + E_head) / (t(1 + G) + d(1))``, ``t`` and
+        ``d`` from the measured cost table (before it exists, and for sampled rows, whose draws must not depend on the
+        server's timings: lookup when ``E >= E_head``). Both estimates come from the request's own verified drafts
+        and fixed priors, never from other requests."""
+        if self.sources == "head" or seq.lookup is None or k <= 0:
+            return None
+        draft = seq.lookup.propose(k)
+        if not draft.tokens:
+            return None
+        survival = seq.lookup_record.survival(len(draft.tokens))
+        conditionals = [survival[0]] + [b / max(a, 1e-12) for a, b in zip(survival, survival[1:])]
+        if self.sources == "lookup":
+            return draft.tokens, conditionals
+        expected = sum(survival)
+        head = seq.gate.accepted if seq.gate is not None else seq.head_accepted
+        profile = self.costs.profile() if params.greedy else None  # a sampled row's choice: its own record only
+        if profile is None:
+            take = expected >= head
+        else:
+            t = profile.round_seconds(torch.tensor([1 + len(draft.tokens), 1 + self.block_size])) \
+                - profile.draft_seconds
+            draft_pass = self.costs.draft_seconds_at(1)
+            take = (1 + expected) / float(t[0]) >= (1 + head) / (float(t[1]) + draft_pass)
+        return (draft.tokens, conditionals) if take else None
+
+    def _add_lookups(self, flight: _InFlight, lookups: dict, rows: StepRows) -> None:
+        for i, (draft, conditionals) in lookups.items():
+            seq = self.sequences[rows.request_ids[i]]
+            flight.lookup[i] = draft
+            flight.lookup_conf[i] = conditionals
+            flight.lookup_budget[i] = min(len(draft), rows.params[i].max_total_tokens - seq.context - 1)
+
+    def _record(self, seq: _Sequence, drafted: int, accepted: int, batch: int) -> None:
+        """A draft of the request was verified: ``accepted`` of its ``drafted`` tokens kept."""
+        source = seq.source or "head"
+        self.stats.sources[source].record(drafted, accepted)
+        if source == "lookup":
+            seq.lookup_record.record(drafted, accepted)
+            return
+        if seq.gate is not None:
+            self.gate.record(seq.gate, accepted, batch)
+        seq.head_accepted = (1 - HEAD_SMOOTHING) * seq.head_accepted + HEAD_SMOOTHING * accepted
 
     def _refresh_gate(self) -> None:
         """The draft gate's break-even from the cost table and the draft pass by rows (rebuilt as they fill in;

@@ -120,7 +120,7 @@ def dspark_options(config) -> dict[str, Any]:
             "block_size": engine.block_size, "draft_top_k": engine.draft_top_k,
             "kv_cache_tokens": engine.kv_cache_tokens, "kv_block_size": engine.kv_block_size,
             "draft_gate": engine.draft_gate, "scheduler": engine.scheduler, "seed": 0,
-            "drafter": engine.vllm_drafter, "overlap": _draft_overlap(config)}
+            "drafter": engine.vllm_drafter, "overlap": _draft_overlap(config), "sources": engine.draft_sources}
 
 
 def _draft_overlap(config) -> bool:

@@ -144,6 +144,13 @@ class VllmEngine:
         return pids
 
     @property
+    def draft_sources(self) -> dict[str, dict] | None:
+        """Our proposer's counters by draft source (head, lookup): drafts, tokens, accepted, per position."""
+        if self.drafter is None:
+            return None
+        return {source: stats.as_dict() for source, stats in self.drafter.stats.sources.items()}
+
+    @property
     def running(self) -> list[int]:
         return [rid for rid in self.requests if rid in self._started]
 

@@ -70,7 +70,8 @@ class DSparkProposer:
         opts = self.options
         block = int(opts.get("block_size") or self.num_speculative_tokens)
         scheduling = {"seed": int(opts.get("seed", 0)), "scheduler": opts.get("scheduler", "full"),
-                      "draft_gate": bool(opts.get("draft_gate", False))}
+                      "draft_gate": bool(opts.get("draft_gate", False)), "sources": opts.get("sources", "head"),
+                      "vocab_size": self.vocab_size}
         if self.remote:
             self.step_drafter = StepDrafter(None, block, **scheduling)  # drafts once attach() gives it the actor
             return
@@ -143,8 +144,9 @@ class DSparkProposer:
         finished = set(scheduler_output.finished_req_ids) | set(getattr(scheduler_output, "preempted_req_ids", None)
                                                                 or ())
         features = torch.cat([h[:total] for h in aux_hidden_states], dim=-1)  # [total, K * hidden]
+        prompts = [list(runner.requests[r].prompt_token_ids or ()) if p == 0 else None for r, p in zip(req_ids, first)]
         return StepRows(req_ids, first, scheduled, drafted, [list(t) for t in sampled_token_ids], features, params,
-                        finished)
+                        finished, prompts)
 
     def _rank0_drafts(self, out, device=None):
         """Tensor parallelism, drafter actor: rank 0's drafts (``out``; None on the other ranks), the same on every

@@ -1,0 +1,100 @@
+"""Prompt lookup: draft the continuation of the longest recent n-gram match in a request's own tokens.
+
+Where an answer repeats its prompt or itself (code edited in place, a quoted passage, a list that restates the
+question), the tokens after an earlier occurrence of the last few tokens are a draft that costs no draft pass at
+all. :class:`PromptLookup` keeps, per request, an index from every n-gram (``min_ngram`` to ``max_ngram`` tokens) to
+the position after its latest occurrence, updated as tokens are committed (O(new tokens x max_ngram) per step), and
+proposes the continuation of the longest n-gram ending at the last token that occurred before.
+
+A lookup draft is a one-point distribution: verified by the target's rejection sampler, its token is accepted with
+the target's probability of that token (greedy: when it is the argmax), so the output stays exactly the target's.
+
+:class:`LookupRecord` estimates, per request, how many of a lookup draft's tokens will be accepted: the survival at
+each position (the share of its lookup drafts that kept at least j tokens), starting from a prior and moved by the
+request's own verified drafts only (so a seeded sampled request's choices never depend on other traffic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MIN_NGRAM, MAX_NGRAM = 2, 5  # as vLLM's `ngram` method is configured here (prompt_lookup_min / _max)
+PRIOR_ACCEPT = 0.6  # the prior chance that a lookup token is accepted after its predecessor was
+PRIOR_WEIGHT = 2.0  # the prior counts as this many drafts
+
+
+@dataclass
+class LookupDraft:
+    tokens: list[int]  # the continuation (empty: no match)
+    match: int  # length of the n-gram matched (0: none)
+
+
+class PromptLookup:
+    """One request's token history and its n-gram index."""
+
+    def __init__(self, prompt: list[int], min_ngram: int = MIN_NGRAM, max_ngram: int = MAX_NGRAM):
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.tokens: list[int] = []
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> position after its latest indexed occurrence
+        self._indexed = 0  # n-grams ending before this position are in the index
+        self.extend(prompt)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def _catch_up(self) -> None:
+        """Index every n-gram that ends before the last token (the last token's n-grams are the query)."""
+        toks, end = self.tokens, len(self.tokens) - 1
+        for stop in range(max(self._indexed, 1), end + 1):  # n-grams toks[stop - n: stop], continuation at stop
+            for n in range(self.min_ngram, min(self.max_ngram, stop) + 1):
+                self._index[tuple(toks[stop - n: stop])] = stop
+        self._indexed = max(self._indexed, end + 1)
+
+    def propose(self, k: int) -> LookupDraft:
+        """Up to ``k`` tokens after the latest earlier occurrence of the longest n-gram ending at the last token."""
+        self._catch_up()
+        toks = self.tokens
+        for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
+            start = self._index.get(tuple(toks[len(toks) - n:]))
+            if start is not None:
+                continuation = toks[start: start + k]
+                if continuation:
+                    return LookupDraft(continuation, n)
+        return LookupDraft([], 0)
+
+
+@dataclass
+class LookupRecord:
+    """One request's verified lookup drafts, by position: how often position j was verified with every earlier
+    token accepted (``tried``), and how often it was accepted then (``kept``)."""
+
+    tried: list[float] = field(default_factory=list)
+    kept: list[float] = field(default_factory=list)
+
+    def conditional(self, j: int) -> float:
+        """P(token j accepted | tokens before it accepted): the prior, moved by this request's drafts."""
+        tried = self.tried[j] if j < len(self.tried) else 0.0
+        kept = self.kept[j] if j < len(self.kept) else 0.0
+        return (kept + PRIOR_WEIGHT * PRIOR_ACCEPT) / (tried + PRIOR_WEIGHT)
+
+    def survival(self, k: int) -> list[float]:
+        """P(at least j + 1 tokens accepted), j = 0..k-1."""
+        out, s = [], 1.0
+        for j in range(k):
+            s *= self.conditional(j)
+            out.append(s)
+        return out
+
+    def expected(self, k: int) -> float:
+        """Expected accepted tokens of a ``k``-token lookup draft."""
+        return sum(self.survival(k))
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A lookup draft of ``drafted`` tokens was verified and kept ``accepted`` of them."""
+        while len(self.tried) < drafted:
+            self.tried.append(0.0)
+            self.kept.append(0.0)
+        for j in range(min(accepted + 1, drafted)):
+            self.tried[j] += 1
+            if j < accepted:
+                self.kept[j] += 1
