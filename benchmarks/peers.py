@@ -444,6 +444,21 @@ def table(report: dict) -> str:
                                                                   "overlap")}
             lines.append(f"| {system} | {temperature} | {sp['steps']} | {ms['target']:.1f} | {ms['draft']:.1f} | "
                          f"{ms['drafter']:.1f} | {ms['transport']:.1f} | {ms['overlap']:.1f} |")
+    sourced = {(r["system"], r["temperature"]): r["sources"] for r in report["rows"] if r.get("sources")}
+    if sourced:
+        lines += ["", "Our proposer's drafts by source (both modes of a decoding pooled): share of the drafted steps, "
+                  "acceptance length of a step with that source's draft (τ), and the acceptance rate at each draft "
+                  "position (drafts that kept at least j tokens / drafts).", "",
+                  "| system | decoding | source | drafts | share | τ | acceptance by position |",
+                  "|---|---|---|---:|---:|---:|---|"]
+        for (system, temperature), by_source in sourced.items():
+            total = sum(c["drafts"] for c in by_source.values())
+            for source, c in by_source.items():
+                if not c["drafts"]:
+                    continue
+                rates = " ".join(f"{a / c['drafts']:.2f}" for a in c["accepted_per_pos"])
+                lines.append(f"| {system} | {temperature} | {source} | {c['drafts']} | {c['drafts'] / total:.0%} | "
+                             f"{1 + c['accepted_tokens'] / c['drafts']:.2f} | {rates} |")
     s = report["served_vllm"]
     if s is None:
         return "\n".join(lines)

@@ -127,6 +127,10 @@ class SpecStats(BaseModel):
     draft_tokens: int = Field(description="Draft tokens sent to verification.")
     accepted_tokens: int
     accepted_per_position: list[int]
+    lookup_drafts: int = Field(0, description="Of the verified drafts, those prompt lookup drafted "
+                                              "(engine.draft_sources); the rest the DSpark head.")
+    lookup_draft_tokens: int = Field(0, description="Of draft_tokens, prompt lookup's.")
+    lookup_accepted_tokens: int = Field(0, description="Of accepted_tokens, prompt lookup's.")
 
     @classmethod
     def from_metrics(cls, m: SpecMetrics) -> SpecStats:

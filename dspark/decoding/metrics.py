@@ -21,10 +21,18 @@ class SpecMetrics:
     drafter_failures: int = 0  # drafter failures (remote drafter died or timed out)
     draft_skips: int = 0  # request-rounds the draft gate decoded plainly (recent drafts below break-even)
     feature_bytes: int = 0  # target hidden-state bytes sent to a drafter actor over the collective channel
+    lookup_drafts: int = 0  # of num_drafts, rounds whose draft came from prompt lookup (engine.draft_sources)
+    lookup_draft_tokens: int = 0  # of num_draft_tokens, lookup's
+    lookup_accepted_tokens: int = 0  # of num_accepted_tokens, lookup's
 
-    def record_round(self, drafted: int, scheduled: int, accepted: int) -> None:
+    def record_round(self, drafted: int, scheduled: int, accepted: int, source: str = "head") -> None:
+        """One verify round; ``source``: where its draft came from ('head' or 'lookup')."""
         self.verify_steps += 1
         self.num_drafted_tokens += drafted
+        if scheduled > 0 and source == "lookup":
+            self.lookup_drafts += 1
+            self.lookup_draft_tokens += scheduled
+            self.lookup_accepted_tokens += accepted
         if scheduled > 0:
             self.num_drafts += 1
             self.num_draft_tokens += scheduled
@@ -46,7 +54,7 @@ class SpecMetrics:
         for name in (
             "num_drafts", "num_draft_tokens", "num_drafted_tokens", "num_accepted_tokens", "verify_steps",
             "completion_tokens", "num_requests", "sum_request_acceptance", "drafter_fallbacks", "drafter_failures",
-            "draft_skips", "feature_bytes",
+            "draft_skips", "feature_bytes", "lookup_drafts", "lookup_draft_tokens", "lookup_accepted_tokens",
         ):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.accepted_per_pos = _add_lists(self.accepted_per_pos, other.accepted_per_pos)
@@ -73,7 +81,9 @@ class SpecMetrics:
         """One request's statistics, as returned with its response (``spec``) and listed by ``dspark bench``."""
         return {"acceptance_length": self.completion_tokens / max(self.verify_steps, 1),
                 "verify_steps": self.verify_steps, "draft_tokens": self.num_draft_tokens,
-                "accepted_tokens": self.num_accepted_tokens, "accepted_per_position": list(self.accepted_per_pos)}
+                "accepted_tokens": self.num_accepted_tokens, "accepted_per_position": list(self.accepted_per_pos),
+                "lookup_drafts": self.lookup_drafts, "lookup_draft_tokens": self.lookup_draft_tokens,
+                "lookup_accepted_tokens": self.lookup_accepted_tokens}
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -242,7 +242,9 @@ class StepDrafter:
         self._handles: dict[str, int] = {}  # host request id -> the drafter's integer sequence id
         self._lost: set[str] = set()  # requests whose context a failed drafter took with it (decode plainly)
         self.verified: dict[str, int] = {}  # draft tokens each request had verified in the host's last step
+        self.verified_sources: dict[str, str] = {}  # and where each of those drafts came from (head, lookup)
         self._sent: dict[str, int] = {}  # draft tokens handed to the host for its next step
+        self._sent_sources: dict[str, str] = {}
         self._next_handle = 0
         self._in_flight: _InFlight | StepDrafts | None = None  # a submitted step not collected yet
         self._row_ids: list[str] = []  # its rows' request ids
@@ -299,14 +301,14 @@ class StepDrafter:
         ``stats.overlap_seconds``)."""
         if self._in_flight is not None:  # a host step failed between submit and collect: those drafts are stale
             self.collect()
-            self._sent = {}
+            self._sent, self._sent_sources = {}, {}
         now = time.perf_counter()
         if self._last_call is not None:  # since the last submit: the host's step, less its waits for drafts
             host = now - self._last_call - self._waited
             self.stats.step_seconds += host
             if rows.request_ids and all(c for c in rows.committed_tokens):  # a decode step (no prompt chunk)
                 self.costs.record(sum(rows.num_scheduled), host)
-        self.verified = self._sent
+        self.verified, self.verified_sources = self._sent, self._sent_sources
         self._overlap = overlap
         self._in_flight = self._begin(rows)
         self._last_call = now
@@ -324,6 +326,7 @@ class StepDrafter:
             raise RuntimeError("StepDrafter.collect: no step submitted")
         drafts = pending if isinstance(pending, StepDrafts) else self._finish(pending)
         self._sent = {rid: len(t) for rid, t in zip(self._row_ids, drafts.tokens) if t}
+        self._sent_sources = {rid: getattr(self.sequences.get(rid), "source", None) or "head" for rid in self._sent}
         return drafts
 
     def _begin(self, rows: StepRows) -> _InFlight | StepDrafts:

@@ -31,18 +31,24 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., chat: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[bool] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("acceptance_length", "verify_steps", "draft_tokens", "accepted_tokens", "accepted_per_position")
+    __slots__ = ("acceptance_length", "verify_steps", "draft_tokens", "accepted_tokens", "accepted_per_position", "lookup_drafts", "lookup_draft_tokens", "lookup_accepted_tokens")
     ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     acceptance_length: float
     verify_steps: int
     draft_tokens: int
     accepted_tokens: int
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, acceptance_length: _Optional[float] = ..., verify_steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    lookup_drafts: int
+    lookup_draft_tokens: int
+    lookup_accepted_tokens: int
+    def __init__(self, acceptance_length: _Optional[float] = ..., verify_steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., lookup_drafts: _Optional[int] = ..., lookup_draft_tokens: _Optional[int] = ..., lookup_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

@@ -193,6 +193,8 @@ class VllmEngine:
         # "<our id>-<random suffix>": it makes every internal id unique)
         verified = ({rid.rsplit("-", 1)[0]: n for rid, n in self.drafter.verified.items()}
                     if self.drafter is not None else {})
+        sources = ({rid.rsplit("-", 1)[0]: s for rid, s in self.drafter.verified_sources.items()}
+                   if self.drafter is not None else {})
         for out in outputs:
             rid = int(out.request_id)
             request = self.requests.get(rid)
@@ -205,7 +207,8 @@ class VllmEngine:
                 request.metrics.completion_tokens += len(new)
                 # one target pass: the drafts our proposer had verified in it, of which len(new) - 1 were accepted
                 drafts = verified.get(out.request_id, 0)
-                request.metrics.record_round(drafts, drafts, min(max(len(new) - 1, 0), drafts))
+                request.metrics.record_round(drafts, drafts, min(max(len(new) - 1, 0), drafts),
+                                             sources.get(out.request_id, "head"))
                 self.metrics.completion_tokens += len(new)
                 self.metrics.verify_steps += 1
             reason = None

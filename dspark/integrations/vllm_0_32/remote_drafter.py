@@ -80,8 +80,8 @@ def _drafter_state(worker) -> dict | None:
     if proposer is None or proposer.host is None:
         return None
     drafter, host = proposer.step_drafter, proposer.host
-    return {"verified": drafter.verified, "stats": drafter.stats, "profile": drafter.profile, "pid": host.pid,
-            "sent": host.sent}
+    return {"verified": drafter.verified, "verified_sources": drafter.verified_sources, "stats": drafter.stats,
+            "profile": drafter.profile, "pid": host.pid, "sent": host.sent}
 
 
 def _shutdown_drafter(worker) -> None:
@@ -102,6 +102,7 @@ class WorkerDrafter:
 
         self.llm, self.pid = llm, pid
         self.verified: dict[str, int] = {}
+        self.verified_sources: dict[str, str] = {}
         self.stats = StepDrafterStats()
         self.profile = None
         self.sent = None  # the host's TransportCounters (actors.collective), after the first refresh
@@ -109,6 +110,7 @@ class WorkerDrafter:
     def refresh(self) -> None:
         state = next(s for s in self.llm.collective_rpc(_drafter_state) if s is not None)
         self.verified, self.stats, self.profile = state["verified"], state["stats"], state["profile"]
+        self.verified_sources = state.get("verified_sources", {})
         self.pid, self.sent = state["pid"], state["sent"]
 
     def collect(self) -> None:
