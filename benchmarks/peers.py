@@ -12,7 +12,8 @@ project's front door, ``dspark loadtest`` at concurrency 1, greedy) against offl
     python -m benchmarks.peers [--sets humaneval,gsm8k] [--per-set 30] [--max-tokens 256] [--dtype auto]
         [--draft-dtype bfloat16] [--only DSpark,ngram,served] [--out peers.json] [--plot peers.png]
 
-Each vLLM system runs in its own process (its engine, its threads), one after another; tokens/s is completion
+Each vLLM system runs in its own process (its engine, its threads), one after another, as the engine the replica
+serves (``dspark.builder.build_engine``: vLLM's engine core in process behind ``VllmEngine``, driven by its ``generate``); tokens/s is completion
 tokens over wall time after one warm-up request. Greedy outputs are compared with vLLM plain's (exact engines
 agree up to kernel near-ties: ``tests/test_vllm_backend.py`` counts them).
 
@@ -92,7 +93,7 @@ def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[l
                  temperatures: tuple[str, ...] = tuple(TEMPERATURES), sources: str = "head") -> None:
     if cpus:  # before vLLM and its OpenMP threads start: they inherit the cores and the thread count
         _pin(cpus)
-    from dspark.integrations.vllm_0_32.args import engine_arguments, engine_env
+    from dspark.integrations.vllm_0_32.args import engine_env
 
     config = load_engine_config(config_path)
     engine = {"backend": "vllm", "vllm_speculation": speculation, "vllm_drafter": drafter,
@@ -106,39 +107,35 @@ def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[l
         "draft": config.draft.model_copy(update={"dtype": draft_dtype or dtype}),
         "engine": config.engine.model_copy(update=engine)})
     os.environ.update(engine_env(config))  # as the replica's engine: the engine core here, the kernels chosen
-    from vllm import LLM
-    from vllm import SamplingParams as VllmParams
-    from vllm.inputs import TokensPrompt
+    from dspark.builder import build_engine
 
-    llm = LLM(**engine_arguments(config), disable_log_stats=False)  # its counters: vllm:spec_decode_*
+    host = None
     if drafter == "actor":  # the drafter actor of a served replica, on a local Ray cluster of this process
         import ray
 
         from actors.draft_actor import DrafterHostFactory
-        from dspark.integrations.vllm_0_32.remote_drafter import attach_remote_drafter
 
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-        attach_remote_drafter(llm, DrafterHostFactory(config))
+        host = DrafterHostFactory(config)
+    engine = build_engine(config, drafter_host=host)  # the replica's engine (dspark.builder), driven here
+    llm = engine.llm
     results = {}
     for label, (temperature, top_p) in TEMPERATURES.items():
         if (greedy_batch_1_only and temperature) or label not in temperatures:
             continue
 
-        def params(i: int, temperature=temperature, top_p=top_p) -> VllmParams:
-            return VllmParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=i)
+        def params(i: int, temperature=temperature, top_p=top_p) -> SamplingParams:
+            return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=i)
 
         def one(prompt: list[int], i: int) -> list[int]:
-            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(i), use_tqdm=False)[0]
-            return list(out.outputs[0].token_ids)
+            return engine.generate([prompt], params(i))[0].token_ids
 
         def batch(prompts: list[list[int]]) -> list[list[int]]:
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                                [params(i) for i in range(len(prompts))], use_tqdm=False)
-            return [list(o.outputs[0].token_ids) for o in outs]
+            return [r.token_ids for r in engine.generate(prompts, [params(i) for i in range(len(prompts))])]
 
-        before, split, by_source = _vllm_spec_counters(llm), _time_split(llm), _sources(llm)
+        before, split, by_source = _vllm_spec_counters(engine), _time_split(llm), _sources(llm)
         results[label] = _timed(f"vLLM {speculation} {label}", prompts, one, None if greedy_batch_1_only else batch)
-        after = _vllm_spec_counters(llm)
+        after = _vllm_spec_counters(engine)
         results[label + " spec"] = {k: after[k] - before[k] for k in after}
         if split is not None:
             results[label + " split"] = {k: v - split[k] for k, v in _time_split(llm).items()}
@@ -179,15 +176,10 @@ def _time_split(llm) -> dict | None:
             "transport": st.transport_seconds, "overlap": st.overlap_seconds, "steps": st.steps}
 
 
-def _vllm_spec_counters(llm) -> dict:
-    """vLLM's own counters (``vllm:spec_decode_num_drafts`` / ``..._num_accepted_tokens``) from its metrics reader."""
-    out = {"drafts": 0.0, "accepted": 0.0}
-    for metric in llm.get_metrics():
-        if metric.name == "vllm:spec_decode_num_drafts":
-            out["drafts"] += metric.value
-        elif metric.name == "vllm:spec_decode_num_accepted_tokens":
-            out["accepted"] += metric.value
-    return out
+def _vllm_spec_counters(engine) -> dict:
+    """vLLM's own counters (its ``SpecDecodingStats``, what it exports as ``vllm:spec_decode_num_drafts`` /
+    ``..._num_accepted_tokens``), as the engine's stat logger sums them."""
+    return {"drafts": float(engine.metrics.num_drafts), "accepted": float(engine.metrics.num_accepted_tokens)}
 
 
 def vllm_system(config_path: Path, dtype: str, speculation: str, prompts, max_tokens: int,

@@ -19,7 +19,7 @@ from dspark.loader import encode_chat, load_tokenizer
 from dspark.v1 import serving_pb2 as pb
 from dspark.v1 import serving_pb2_grpc
 
-from conftest import KEY, serve_run
+from conftest import KEY, serve_run, wait_for
 from vllm_runs import in_dtype, vllm_generate, with_speculation
 
 pytestmark = pytest.mark.slow
@@ -140,3 +140,30 @@ def test_a_seeded_sampled_request_repeats_beside_other_traffic(app):
     thread.join(timeout=600)
     assert not thread.is_alive() and len(results["burst"]) == 4
     assert beside["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+
+
+def test_draft_sources_are_counted_per_request_and_in_metrics(app):
+    """The shipped default drafts from two sources (``engine.draft_sources: hybrid``): a request that copies its prompt
+    takes prompt lookup's drafts, counted in its reply's ``spec`` and, by source, in ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    code = "def area(width, height):\n    if width < 0 or height < 0:\n        raise ValueError('negative')\n" \
+           "    return width * height\n"
+    body = {"model": "smollm2-135m-instruct", "max_tokens": 64, "temperature": 0.0,
+            "messages": [{"role": "user", "content": f"Repeat this code exactly:\n\n{code}"}]}
+    reply = requests.post(f"{app.http}/v1/chat/completions", json=body, headers=AUTH, timeout=300).json()
+    spec = reply["spec"]
+    assert spec["lookup_drafts"] > 0 and 0 < spec["lookup_accepted_tokens"] <= spec["accepted_tokens"], spec
+
+    def by_source() -> dict:
+        text = requests.get(f"{app.http}/metrics", headers=AUTH, timeout=30).text
+        return {(s.name, s.labels.get("source")): s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name.startswith("dspark:spec_decode_source_")}
+
+    counted = wait_for(by_source, 30, "the per-source counters to count the reply",
+                       until=lambda c: c.get(("dspark:spec_decode_source_accepted_tokens_total", "lookup"), 0)
+                       >= spec["lookup_accepted_tokens"], interval_s=0.5)
+    assert counted[("dspark:spec_decode_source_drafts_total", "lookup")] >= spec["lookup_drafts"]
+    assert ("dspark:spec_decode_source_drafts_total", "head") in counted
+    health = requests.get(f"{app.http}/health", headers=AUTH, timeout=30).json()
+    assert health["draft_sources"]["lookup"]["drafts"] >= spec["lookup_drafts"]
