@@ -6,7 +6,9 @@ much longer that step takes than a plain one:  tau > t_spec / t_plain.  ``t_spec
 target's measured forward time for a batch of one token per request). Below that break-even,
 new requests decode plainly; after ``probe_interval_s`` speculation is switched back on to
 measure again (the draft may fit the new traffic better). Requests already running keep their
-mode; the decision is exported as ``dspark:speculation_enabled``.
+mode; the decision is exported as ``dspark:speculation_enabled``. Seeded sampled requests keep speculating whatever
+the switch says: whether a sampled request drafts decides its random draws, and a seeded one must give the same
+tokens however busy the server is (greedy requests need no exception: on exact kernels drafting never changes them).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ project's front door, ``dspark loadtest`` at concurrency 1, greedy) against offl
         [--draft-dtype bfloat16] [--only DSpark,ngram,served] [--out peers.json] [--plot peers.png]
 
 Each vLLM system runs in its own process (its engine, its threads), one after another, as the engine the replica
-serves (``dspark.builder.build_engine``: vLLM's engine core in process behind ``VllmEngine``, driven by its ``generate``); tokens/s is completion
+serves (``dspark.builder.build_engine``: vLLM's engine core in process behind ``VllmEngine``, driven by its
+``generate``); tokens/s is completion
 tokens over wall time after one warm-up request. Greedy outputs are compared with vLLM plain's (exact engines
 agree up to kernel near-ties: ``tests/test_vllm_backend.py`` counts them).
 

@@ -139,7 +139,9 @@ class EngineSpec(_Strict):
                            "rounds (lossless: the choice depends only on rounds already verified).")
 
     draft_sources: Literal["head", "lookup", "hybrid"] = Field(
-        "head", description="Where drafts come from (vllm backend, our proposer): 'head' the DSpark head; 'lookup' "
+        "head", description="Where our DSpark proposer's drafts come from (vllm backend, vllm_speculation "
+                            "'dspark_plugin'; the native engine drafts with the head whatever this says, for now): "
+                            "'head' the DSpark head; 'lookup' "
                             "prompt lookup (the continuation of the longest recent n-gram match, 2-5 tokens, in "
                             "the request's prompt and output; no draft pass); 'hybrid' per request and step the "
                             "source with more expected accepted tokens per second of step (the head's measured "
@@ -314,10 +316,6 @@ class EngineFileConfig(_Strict):
         spec = self.engine.vllm_speculation
         if self.engine.backend == "vllm" and spec in ("dspark", "dspark_plugin") and not self.draft.path:
             raise ValueError(f"engine.vllm_speculation: '{spec}' drafts with draft.path, and no draft.path is set")
-        if self.engine.draft_sources != "head" and (self.engine.backend != "vllm" or spec != "dspark_plugin"):
-            raise ValueError(f"engine.draft_sources: '{self.engine.draft_sources}' is drafted by our DSpark proposer "
-                             "in vLLM; it needs engine.backend 'vllm' and engine.vllm_speculation 'dspark_plugin' "
-                             "(the native engine drafts with the head only, for now)")
         if self.engine.vllm_drafter == "actor":
             if self.engine.backend != "vllm" or spec != "dspark_plugin":
                 raise ValueError("engine.vllm_drafter: 'actor' is our DSpark proposer's drafter actor; it needs "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.config import ConfigError, EngineConfig, SamplingParams
+from dspark.config import GREEDY_BELOW, ConfigError, EngineConfig, SamplingParams
 from dspark.decoding.draft_gate import DraftGate
 from dspark.decoding.drafter import Drafter
 from dspark.decoding.metrics import SpecMetrics
@@ -273,8 +273,10 @@ class Engine:
             request = self.waiting[0]
             if not self.allocator.can_reserve(request.reservation):
                 break
+            # a seeded sampled request ignores the load-aware switch: whether it drafts decides its random draws
+            seeded = request.params.seed is not None and request.params.temperature >= GREEDY_BELOW
             speculative = (request.wants_speculation and self.drafter is not None and self.drafter.available
-                           and self.speculation_enabled)
+                           and (self.speculation_enabled or seeded))
             if speculative and not self.drafter.can_start(request):
                 break
             self.waiting.popleft()
