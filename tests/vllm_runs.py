@@ -56,7 +56,7 @@ def fp32_vllm_config():
     config = in_dtype(load_engine_config(REPO / "configs" / "embedded.yaml"), "float32")
     return config.model_copy(update={"engine": config.engine.model_copy(
         update={"backend": "vllm", "max_num_seqs": 8, "scheduler": "full", "draft_gate": False,
-                "draft_sources": "head"})})  # the head's blocks only: acceptance compares with the native engine
+                "draft_sources": "head"})})  # the head only: acceptance compares with the native engine's
 
 
 def in_dtype(config, dtype: str):
