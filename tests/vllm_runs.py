@@ -52,7 +52,8 @@ def vllm_generate(engine_args: dict, prompts: list[list[int]], params: list[dict
 
 def fp32_vllm_config():
     """configs/embedded.yaml on vLLM in fp32 (batch-invariant enough to compare token for token), our proposer (the
-    head only, no prompt lookup) with full blocks and no gate (every round drafts, so acceptance compares with the native engine's)."""
+    head only, no prompt lookup) with full blocks and no gate (every round drafts, so acceptance compares with the
+    native engine's)."""
     config = in_dtype(load_engine_config(REPO / "configs" / "embedded.yaml"), "float32")
     return config.model_copy(update={"engine": config.engine.model_copy(
         update={"backend": "vllm", "max_num_seqs": 8, "scheduler": "full", "draft_gate": False,
