@@ -9,7 +9,7 @@ import os
 import time
 
 from dspark.config import GREEDY_BELOW, ConfigError
-from dspark.decoding.engine import GenerationResult, check_request
+from dspark.decoding.engine import Engine, GenerationResult, check_request
 from dspark.decoding.metrics import SpecMetrics
 from dspark.decoding.request import Request, RequestOutput
 from dspark.formats.target_checkpoint import read_target_config
@@ -239,17 +239,9 @@ class VllmEngine:
                 self.metrics.feature_bytes = self.remote_drafter.sent.bytes
         return results
 
-    def stream(self):
-        while self.has_unfinished():
-            yield from self.step()
-
-    def generate(self, prompts: list[list[int]], params) -> list[GenerationResult]:
-        """As ``dspark.decoding.engine.Engine.generate``: each prompt to the end, results in order."""
-        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
-        for _ in self.stream():
-            pass
-        return [self.result(i) for i in ids]
+    # as the native engine: each prompt to the end, results in order (they call add_request / step / result only)
+    stream = Engine.stream
+    generate = Engine.generate
 
     def result(self, request_id: int) -> GenerationResult:
         """A finished request's tokens, text and metrics (as ``Engine.result``; the request is forgotten)."""
