@@ -56,3 +56,15 @@ class SpeculationSwitch:
         if tau < break_even * (1 - self.margin):
             engine.speculation_enabled, self._off_since = False, now
         self.decisions.append((now, engine.speculation_enabled, tau, break_even))
+
+    def describe(self) -> dict:
+        """The latest decision, for ``/health``: whether the replica speculates and the measurement behind it (tau:
+        tokens per request-round over the last window; break_even: that window's step time over a plain step's)."""
+        if not self.decisions:
+            return {"enabled": self.engine.speculation_enabled, "decided": False, "window_steps": self.window_steps}
+        at, enabled, tau, break_even = self.decisions[-1]
+        measured = tau == tau  # a probe (switched back on) measured nothing: NaN
+        return {"enabled": enabled, "decided": True, "tau": round(tau, 3) if measured else None,
+                "break_even": round(break_even, 3) if measured else None,
+                "seconds_ago": round(time.monotonic() - at, 1), "probe_interval_s": self.probe_interval_s,
+                "decisions": len(self.decisions)}

@@ -112,6 +112,7 @@ class DSparkServer(GrpcApi):
         return {"replica": self.replica_id, "actors": self.router.actor_pids,
                 "speculation_enabled": self.router.speculation_enabled, "dtypes": self.router.dtypes,
                 "engine": self.router.description, "draft_sources": getattr(self.router, "draft_sources", None),
+                "speculation_switch": self.loop.switch.describe() if self.loop.switch is not None else None,
                 **self.loop.snapshot(), "autoscaling": self.loop.autoscaling_stats()}
 
     def __del__(self):

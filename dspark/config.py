@@ -395,6 +395,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def pinned(self) -> bool:
+        """A seeded sampled request: what it drafts and how much of it is verified follow its own record and fixed
+        rules only (no draft gate, the full block, no load-aware switch), so the same seed gives the same tokens
+        alone or beside any other traffic."""
+        return self.seed is not None and not self.greedy
+
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -95,3 +95,47 @@ def test_bf16_target_decodes_a_position_exactly_as_it_verifies_it(tmp_path):
         prefilled = _logits(model, ids, [110])
     assert torch.equal(verified, decoded)
     assert torch.equal(prefilled, decoded)
+
+
+def test_bf16_draft_gives_a_row_the_same_block_alone_or_beside_others():
+    """The DSpark head in bf16 (the served default's draft dtype on a CPU with native bf16): a request's drafted
+    tokens, draft distributions and confidences do not depend on the rows drafted beside it or on their context
+    lengths, over two rounds of its paged context cache. A seeded sampled request's draws then repeat whatever else
+    the server is doing (its verification is the target's invariant pass)."""
+    from dspark.decoding.drafter import DraftInputs, DSparkDrafter
+    from dspark.decoding.sampling import SamplingTensors
+    from dspark.formats.checkpoint import load_draft
+
+    from conftest import embedded_exact
+
+    cfg = embedded_exact()
+    target = load_target(cfg.resolve(cfg.target.path), "bfloat16")
+    draft = load_draft(cfg.resolve(cfg.draft.path), target.config, torch.bfloat16)
+    draft.bind_target(target.embed_tokens, target.lm_head, head_in_draft_dtype=True)
+    gen = torch.Generator().manual_seed(0)
+    width = draft.fc.in_features
+    rounds = [{0: 37, 1: 5, 2: 90, 3: 16}, {0: 3, 1: 8, 2: 1, 3: 6}]  # context rows committed before each draft
+    features = [{r: torch.randn(n, width, generator=gen).bfloat16() for r, n in kept.items()} for kept in rounds]
+
+    def run(ids: list[int]) -> list:
+        drafter = DSparkDrafter(draft, 4096, 16, cfg.engine.draft_top_k, cfg.engine.block_size)
+        seen = dict.fromkeys(ids, 0)
+        generators = [torch.Generator().manual_seed(100 + r) for r in ids]
+        out = []
+        for kept, rows in zip(rounds, features):
+            for r in ids:
+                if not seen[r]:
+                    drafter.start_sequence(r, 512)
+                drafter.commit([r], [kept[r]], rows[r])
+                seen[r] += kept[r]
+            sampling = SamplingTensors(torch.ones(len(ids)), torch.full((len(ids),), 0.95),
+                                       torch.zeros(len(ids), dtype=torch.long), generators)
+            inputs = DraftInputs(ids, torch.tensor([200 + r for r in ids]), torch.tensor([seen[r] for r in ids]))
+            out.append(drafter.draft(inputs, sampling))
+        return out
+
+    alone, beside = run([0]), run([1, 0, 2, 3])
+    for a, b in zip(alone, beside):
+        assert torch.equal(a.tokens[0], b.tokens[1])
+        assert torch.equal(a.confidences[0], b.confidences[1])
+        assert torch.equal(a.draft_probs.to_dense()[0], b.draft_probs.to_dense()[1])

@@ -15,6 +15,7 @@ from dspark.config import ConfigError, DecoderConfig
 from dspark.decoding.sampling import SamplingTensors
 from dspark.formats.checkpoint import draft_config_from_json, load_draft, save_draft
 from dspark.model.draft_model import DSparkDraft
+from dspark.model.layers import Linear
 
 REPO = Path(__file__).resolve().parents[1]
 SEEDS = {"release": "kimi-k3.1-pro-dspark.json", "preview": "kimi-k3.1-pro-dspark-preview.json"}
@@ -232,5 +233,6 @@ def test_serving_binds_the_lm_head_in_the_drafts_dtype_and_training_shares_it():
     assert served is not head and served.weight.dtype == torch.bfloat16
     assert torch.equal(served.weight, head.weight.detach().to(torch.bfloat16))
     assert not served.weight.requires_grad
-    same = DSparkDraft(cfg).bind_target(embed, head, head_in_draft_dtype=True)  # fp32 draft: the shared tensor
-    assert same.lm_head is head
+    same = DSparkDraft(cfg).bind_target(embed, head, head_in_draft_dtype=True)  # fp32 draft: the shared tensor,
+    assert same.lm_head.weight.data_ptr() == head.weight.data_ptr()  # no copy, read through the batch-invariant
+    assert isinstance(same.lm_head, Linear)  # Linear (a row's logits do not depend on the rows beside it)

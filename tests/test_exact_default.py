@@ -2,7 +2,8 @@
 DSpark proposer, ``auto`` dtypes, the draft gate, the prefix scheduler and the load-aware switch as in
 ``configs/embedded.yaml``) gives a greedy request the same token ids over HTTP and gRPC, unary and streamed, before
 and after a burst of concurrent sampled requests, equal to plain greedy decoding of the same engine and dtype
-(offline ``vllm.LLM`` without speculation, on the same kernels), and every reply really speculated."""
+(offline ``vllm.LLM`` without speculation, on the same kernels), and every reply really speculated; a seeded sampled
+request gives the same text alone and inside a burst of others."""
 
 from __future__ import annotations
 
@@ -91,16 +92,19 @@ def grpc_stream() -> tuple[list[int], pb.SpecStats]:
     return ids, spec
 
 
-def sampled_burst(app, n: int = 8) -> list[str]:
-    def one(i: int) -> str:
-        body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": f"Tell me a fact, {i}."}],
-                "max_tokens": 24, "temperature": 1.0, "top_p": 0.95, "seed": i}
-        reply = requests.post(f"{app.http}/v1/chat/completions", json=body, headers=AUTH, timeout=300)
-        assert reply.status_code == 200, reply.text
-        return reply.json()["choices"][0]["message"]["content"]
+def sampled(app, i: int) -> tuple[str, dict]:
+    """A seeded sampled request (T=1, top-p 0.95, seed ``i``): its text and ``spec``."""
+    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": f"Tell me a fact, {i}."}],
+            "max_tokens": 24, "temperature": 1.0, "top_p": 0.95, "seed": i}
+    reply = requests.post(f"{app.http}/v1/chat/completions", json=body, headers=AUTH, timeout=300)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    return body["choices"][0]["message"]["content"], body["spec"]
 
+
+def sampled_burst(app, n: int = 8) -> list[tuple[str, dict]]:
     with ThreadPoolExecutor(n) as pool:
-        return list(pool.map(one, range(n)))
+        return list(pool.map(lambda i: sampled(app, i), range(n)))
 
 
 def test_draft_sources_are_counted_per_request_and_in_metrics(app):
@@ -135,13 +139,22 @@ def test_five_ways_one_greedy_answer_equal_to_plain_decoding(app, tmp_path):
     config, health = served_config(app)
     assert health["engine"]["backend"] == "vllm" and health["engine"]["proposer"].startswith("dspark")
     assert health["engine"]["exact_kernels"] == exact_kernels(config)  # bf16: our kernels; fp32: vLLM's are exact
-    first_text, first_spec = http_unary(app)
-    stream_text, stream_spec = http_stream(app)
-    grpc_ids, grpc_spec = grpc_unary()
-    grpc_stream_ids, grpc_stream_spec = grpc_stream()
+    switches = []  # the load-aware switch's state as each greedy request arrived (the server idle in between)
+
+    def arriving(call):
+        switches.append(requests.get(f"{app.http}/health", headers=AUTH, timeout=30).json()["speculation_switch"])
+        return call()
+
+    first_text, first_spec = arriving(lambda: http_unary(app))
+    stream_text, stream_spec = arriving(lambda: http_stream(app))
+    grpc_ids, grpc_spec = arriving(grpc_unary)
+    grpc_stream_ids, grpc_stream_spec = arriving(grpc_stream)
+    alone, alone_spec = sampled(app, 3)  # a seeded sampled request on the idle server, then inside the burst
     burst = sampled_burst(app)
-    assert all(burst)
-    last_text, last_spec = http_unary(app)
+    assert all(text for text, _ in burst)
+    assert burst[3][0] == alone  # a seed repeats beside 7 other requests, whatever the gate and the scheduler do
+    assert alone_spec["draft_tokens"] > 0 and burst[3][1]["draft_tokens"] > 0, (alone_spec, burst[3][1])
+    last_text, last_spec = arriving(lambda: http_unary(app))
     # plain greedy decoding of the same engine and dtype, on the same kernels (engine_env: the invariance switch)
     tokenizer = load_tokenizer(config.resolve(config.target.path))
     prompt = encode_chat(tokenizer, [{"role": "user", "content": PROMPT}])
@@ -151,12 +164,18 @@ def test_five_ways_one_greedy_answer_equal_to_plain_decoding(app, tmp_path):
     plain_text = tokenizer.decode(plain_ids, skip_special_tokens=True)
     assert grpc_ids == grpc_stream_ids == plain_ids
     assert first_text == stream_text == last_text == plain_text
-    for spec in (first_spec, stream_spec):  # speculation really ran on each reply
-        assert spec["draft_tokens"] > 0 and spec["verify_steps"] < len(plain_ids), spec
-    for spec in (grpc_spec, grpc_stream_spec):
-        assert spec.draft_tokens > 0 and spec.verify_steps < len(plain_ids), spec
-    # after the sampled burst the load-aware switch may have measured speculation as a loss at concurrency 8 and
-    # turned it off for its probe interval (as shipped): the answer is the same either way, and it drafted unless so
-    switch = requests.get(f"{app.http}/health", headers=AUTH, timeout=30).json()["speculation_enabled"]
-    assert last_spec["draft_tokens"] > 0 or not switch, last_spec
-
+    # Speculation really ran on each reply that arrived while the switch was on (a request keeps the mode it arrived
+    # in). The switch, as shipped, turns it off for its probe interval once a window of 50 steps measured it as a
+    # loss: seen on a CPU without native bf16 (fp32 target and draft: tau 1.26 against a break-even of 1.60 on this
+    # prompt); /health then names the measurement. The first reply always drafts (no window is full yet).
+    assert switches[0]["enabled"]
+    drafted = [(first_spec["draft_tokens"], first_spec["verify_steps"]),
+               (stream_spec["draft_tokens"], stream_spec["verify_steps"]),
+               (grpc_spec.draft_tokens, grpc_spec.verify_steps),
+               (grpc_stream_spec.draft_tokens, grpc_stream_spec.verify_steps),
+               (last_spec["draft_tokens"], last_spec["verify_steps"])]
+    for (draft_tokens, verify_steps), switch in zip(drafted, switches):
+        if switch["enabled"]:
+            assert draft_tokens > 0 and verify_steps < len(plain_ids), (draft_tokens, verify_steps, switch)
+        else:
+            assert draft_tokens == 0 and switch["decided"] and switch["tau"] < switch["break_even"], switch

@@ -176,18 +176,21 @@ def test_gate_never_holds_back_an_accurate_drafter(tiny_target, tiny_tokenizer, 
 
 
 def test_gated_sampling_uses_the_requests_generators(tiny_target, tiny_tokenizer, tiny_draft_dir, prompts):
-    """Seeded sampled requests give the same tokens alone and in a batch, with the gate on."""
+    """Seeded sampled requests give the same tokens alone and in a batch, with the gate on: they are pinned
+    (``SamplingParams.pinned``), so the gate that holds back the same requests unseeded never holds them back."""
     params = SamplingParams(max_tokens=32, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
 
-    def run(batch):
-        engine = make_engine(tiny_target, tiny_tokenizer, _drafter(tiny_draft_dir, tiny_target), scheduler="full",
-                             profile=GATE_PROFILE, draft_gate=True)
+    def run(batch, params=params):
+        engine = make_engine(tiny_target, tiny_tokenizer, _drafter(tiny_draft_dir, tiny_target),
+                             scheduler="confidence", profile=GATE_PROFILE, draft_gate=True)
         return [r.token_ids for r in engine.generate(batch, params)], engine.metrics.draft_skips
 
     together, skips = run(prompts[:6])
     alone = [run([p])[0][0] for p in prompts[:6]]
-    assert skips > 0 and together == alone
+    assert skips == 0 and together == alone
     assert all(len(t) == 32 for t in together) and torch.tensor(together).unique().numel() > 20
+    _, unseeded_skips = run(prompts[:6], SamplingParams(max_tokens=32, temperature=1.0, top_p=0.95, ignore_eos=True))
+    assert unseeded_skips > 0  # the gate is on, and holds back these requests when they are not pinned
 
 
 @pytest.mark.parametrize("layout", [{"sample_from_anchor": False}, {"draft_vocab_size": 200}],

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.config import GREEDY_BELOW, ConfigError, EngineConfig, SamplingParams
+from dspark.config import ConfigError, EngineConfig, SamplingParams
 from dspark.decoding.draft_gate import DraftGate
 from dspark.decoding.drafter import Drafter
 from dspark.decoding.metrics import SpecMetrics
@@ -210,7 +210,7 @@ class Engine:
         for request in requests:  # greedy rows: the bar of a round of len(requests) decoding together
             batch = DraftGate.batch_of(len(requests), request.params.greedy)
             clock = DraftGate.clock_of(self.num_steps, request.params.greedy)
-            if request.gate is None or self.gate.wants_draft(request.gate, batch, clock):
+            if request.gate is None or request.params.pinned or self.gate.wants_draft(request.gate, batch, clock):
                 drafting.append(request)
             else:
                 request.metrics.draft_skips += 1
@@ -274,7 +274,7 @@ class Engine:
             if not self.allocator.can_reserve(request.reservation):
                 break
             # a seeded sampled request ignores the load-aware switch: whether it drafts decides its random draws
-            seeded = request.params.seed is not None and request.params.temperature >= GREEDY_BELOW
+            seeded = request.params.pinned
             speculative = (request.wants_speculation and self.drafter is not None and self.drafter.available
                            and (self.speculation_enabled or seeded))
             if speculative and not self.drafter.can_start(request):
@@ -311,9 +311,11 @@ class Engine:
 
     def _schedule_verify(self, requests: list[Request], proposal: DraftProposal) -> torch.Tensor:
         caps = self._max_lengths(requests)
-        if self.config.scheduler == "confidence":
-            return schedule_prefix(proposal.confidences, self.profile, caps)
-        return schedule_full(self.block_size, caps)
+        full = schedule_full(self.block_size, caps)
+        if self.config.scheduler != "confidence":
+            return full
+        pinned = torch.tensor([r.params.pinned for r in requests])  # [B] seeded sampled rows: the full block
+        return torch.where(pinned, full, schedule_prefix(proposal.confidences, self.profile, caps))
 
     def _verify_batch(self, round_: _Round) -> VerifyBatch:
         """The target's inputs: each row's uncached committed tokens, then its scheduled draft prefix."""

@@ -46,6 +46,13 @@ class RowParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def pinned(self) -> bool:
+        """A seeded sampled request: its draws depend on what it drafts and how much of it is verified, so those
+        follow its own record and fixed rules only (no gate, no start-up calibration, the full block) and never
+        the server's measured costs or other requests: the same seed gives the same tokens alone or in any batch."""
+        return self.seed is not None and not self.greedy
+
 
 @dataclass
 class StepRows:
@@ -201,6 +208,7 @@ class _InFlight:
     lookup: dict[int, list[int]] = field(default_factory=dict)  # row index -> its lookup draft
     lookup_conf: dict[int, list[float]] = field(default_factory=dict)  # row index -> P(token j kept | before kept)
     lookup_budget: dict[int, int] = field(default_factory=dict)  # row index -> tokens it may still verify
+    pinned: set[int] = field(default_factory=set)  # row indices of seeded sampled rows (RowParams.pinned)
 
 
 class StepDrafter:
@@ -385,7 +393,8 @@ class StepDrafter:
             if self.sources == "lookup":
                 continue
             clock = DraftGate.clock_of(self.stats.steps, rows.params[i].greedy)
-            if seq.gate is not None and not self.gate.wants_draft(seq.gate, batch, clock):
+            if seq.gate is not None and not rows.params[i].pinned and not self.gate.wants_draft(seq.gate, batch,
+                                                                                                 clock):
                 self.stats.gate_skips += 1
                 continue
             drafting.append(i)
@@ -399,8 +408,10 @@ class StepDrafter:
                 self._drafter_lost(len(drafting))
                 return StepDrafts(tokens, None, None)
         if (drafting or lookups) and self.calibration_left > 0:  # plain steps first: the cost table's plain points
-            self.calibration_left -= 1
-            drafting, lookups = [], {}
+            keep = [k for k, i in enumerate(drafting) if rows.params[i].pinned]
+            drafting, anchors, positions = ([xs[k] for k in keep] for xs in (drafting, anchors, positions))
+            lookups = {i: d for i, d in lookups.items() if rows.params[i].pinned}
+            self.calibration_left -= not drafting and not lookups  # a plain step measured (pinned rows draft)
         if not drafting and not lookups:
             return StepDrafts(tokens, None, None)
         start = time.perf_counter()
@@ -413,6 +424,7 @@ class StepDrafter:
         if not drafting:  # every drafting row took lookup: no draft pass this step
             self.stats.head_passes_skipped += 1
             flight = _InFlight(len(rows.request_ids), [], [], [], every_greedy, start, time.perf_counter())
+            flight.pinned = {i for i in lookups if rows.params[i].pinned}
             self._add_lookups(flight, lookups, rows)
             return flight
         sampling = SamplingTensors(
@@ -423,6 +435,7 @@ class StepDrafter:
         handles = [self._handles[rows.request_ids[i]] for i in drafting]
         inputs = DraftInputs(handles, torch.tensor(anchors), torch.tensor(positions))
         flight = _InFlight(len(rows.request_ids), drafting, positions, params, every_greedy, start, 0.0)
+        flight.pinned = {i for i in [*drafting, *lookups] if rows.params[i].pinned}
         self._add_lookups(flight, lookups, rows)
         try:
             if hasattr(self.drafter, "submit_draft"):  # behind an actor: it drafts while the host goes on
@@ -464,6 +477,9 @@ class StepDrafter:
             lengths = schedule_prefix(confidences_all, profile, budgets.clamp(max=block))
         else:
             lengths = schedule_full(block, budgets)
+        if flight.pinned:  # seeded sampled rows: the full block, whatever else is in the step (RowParams.pinned)
+            pinned = torch.tensor([i in flight.pinned for i in drafting + lookup_rows])  # [B]
+            lengths = torch.where(pinned, schedule_full(block, budgets), lengths)
         lengths_list = lengths.tolist()  # once per step, for the host's per-request lists
         if drafting:
             block_tokens = proposal.tokens.tolist()

@@ -18,7 +18,7 @@ from torch import nn
 from dspark.config import DraftConfig
 from dspark.decoding.kv_cache import AttentionMetadata, PagedKVCache
 from dspark.decoding.sampling import SamplingTensors, logits_to_probs, sample_from
-from dspark.model.layers import DecoderLayer, RMSNorm
+from dspark.model.layers import DecoderLayer, Linear, RMSNorm
 
 
 @dataclass
@@ -63,13 +63,13 @@ class MarkovHead(nn.Module):
         super().__init__()
         self.kind = kind
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, output_vocab_size or vocab_size, bias=False)
+        self.markov_w2 = Linear(rank, output_vocab_size or vocab_size, bias=False)
         nn.init.normal_(self.markov_w1.weight, std=0.02)
         nn.init.zeros_(self.markov_w2.weight)  # starts as the plain parallel drafter
         if kind == "gated":
-            self.gate_proj = nn.Linear(hidden_size + rank, rank)
+            self.gate_proj = Linear(hidden_size + rank, rank)
         elif kind == "rnn":
-            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+            self.joint_proj = Linear(2 * rank + hidden_size, 3 * rank)
 
     def step(
         self,
@@ -104,7 +104,7 @@ class MarkovHead(nn.Module):
 class ConfidenceHead(nn.Module):
     def __init__(self, in_features: int):
         super().__init__()
-        self.proj = nn.Linear(in_features, 1)
+        self.proj = Linear(in_features, 1)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         # features: [..., in_features] -> logit [...]
@@ -116,7 +116,7 @@ class DSparkDraft(nn.Module):
         super().__init__()
         self.config = cfg
         bb = cfg.backbone
-        self.fc = nn.Linear(cfg.num_feature_layers * cfg.target_hidden_size, bb.hidden_size, bias=False)
+        self.fc = Linear(cfg.num_feature_layers * cfg.target_hidden_size, bb.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(bb.hidden_size, bb.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(bb) for _ in range(bb.num_layers))
         self.norm = RMSNorm(bb.hidden_size, bb.rms_norm_eps)
@@ -131,7 +131,7 @@ class DSparkDraft(nn.Module):
         # LM head: the target's covers the full vocabulary); otherwise the target's are shared.
         self.own = nn.ModuleDict()
         if cfg.reduced_vocab:
-            self.own["lm_head"] = nn.Linear(bb.hidden_size, out_vocab, bias=False)
+            self.own["lm_head"] = Linear(bb.hidden_size, out_vocab, bias=False)
             # speculators' d2t: target id = draft id + d2t[draft id]; t2d: which target ids the draft can emit
             self.register_buffer("d2t", torch.zeros(out_vocab, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(bb.vocab_size, dtype=torch.bool))
@@ -143,7 +143,7 @@ class DSparkDraft(nn.Module):
         if name == "embed_tokens":
             self.own[name] = nn.Embedding(bb.vocab_size, bb.hidden_size)
         elif name == "lm_head":
-            self.own[name] = nn.Linear(bb.hidden_size, self.config.output_vocab_size, bias=False)
+            self.own[name] = Linear(bb.hidden_size, self.config.output_vocab_size, bias=False)
         else:
             raise ValueError(name)
 
@@ -161,10 +161,12 @@ class DSparkDraft(nn.Module):
                 f"{self.config.backbone.hidden_size}"
             )
         dtype = self.fc.weight.dtype
-        if head_in_draft_dtype and lm_head.weight.dtype != dtype:
+        if head_in_draft_dtype and (lm_head.weight.dtype != dtype or not isinstance(lm_head, Linear)):
+            # serving: the batch-invariant ``Linear`` (a row's logits do not depend on the rows drafted beside it),
+            # over the same weight where the dtypes agree
             weight = lm_head.weight.detach().to(dtype)
-            lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=dtype)
-            lm_head.weight = nn.Parameter(weight, requires_grad=False)
+            lm_head = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            lm_head.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self._shared = {"embed_tokens": embed_tokens, "lm_head": lm_head}
         return self
 
@@ -256,13 +258,16 @@ class DSparkDraft(nn.Module):
                     cache.write(index, meta.write_slots, k_new, v_new)
                 k_ctx, v_ctx = attn.expand_cached(*cache.gather(index, meta.read_slots))
                 ctx_valid = meta.key_valid
-            keys = torch.cat((k_ctx.to(k_block.dtype), k_block), dim=1)
-            values = torch.cat((v_ctx.to(v_block.dtype), v_block), dim=1)
+            # the block's keys first, then the context's (padded to the batch's longest): each row then sees its
+            # keys at the same places whatever the batch, so the chunked bf16 attention sums them in the same order
+            # (attention does not depend on the order of its keys; the rounding of a sum does)
+            keys = torch.cat((k_block, k_ctx.to(k_block.dtype)), dim=1)
+            values = torch.cat((v_block, v_ctx.to(v_block.dtype)), dim=1)
             ctx_mask = ctx_valid[:, None, :].expand(-1, block, -1)
             own_mask = block_mask
             if window_masks is not None and bb.is_sliding(index):
                 ctx_mask, own_mask = ctx_mask & window_masks[0], window_masks[1]
-            mask = torch.cat((ctx_mask, own_mask), dim=-1)
+            mask = torch.cat((own_mask, ctx_mask), dim=-1)
             x = x + attn.attend(q, keys, values, mask)
             x = layer.feed_forward(x)
         return self.norm(x)

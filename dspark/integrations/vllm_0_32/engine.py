@@ -175,7 +175,7 @@ class VllmEngine:
         if self.our_proposer:  # the request's (or the load-aware switch's) choice, read by our proposer
             # a seeded sampled request keeps its own policy whatever the load-aware switch decided: whether it drafts
             # decides its random draws, and it must give the same tokens however busy the server is
-            follows_switch = params.seed is None or params.temperature < GREEDY_BELOW
+            follows_switch = not params.pinned
             sampling.extra_args = {SPECULATE_ARG: bool(speculate and (self.speculation_enabled or not follows_switch))}
         self.llm.add_request(str(request_id), TokensPrompt(prompt_token_ids=list(prompt_ids)), sampling)
         self.requests[request_id] = Request(request_id, list(prompt_ids), params)
