@@ -36,6 +36,16 @@ def node_ip() -> str:
         return "127.0.0.1"
 
 
+def node_id() -> str | None:
+    """The Ray node this process runs on (None outside Ray): what ``GET /health`` names for each actor."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001  (a driver without a node: unknown)
+        return None
+
+
 def device_placement() -> str:
     """Where this actor computes: ``"cpu"``, or ``"<node id>/gpu<ids>"`` for the GPUs Ray gave it."""
     import ray

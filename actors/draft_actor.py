@@ -29,6 +29,7 @@ from actors.collective import (
     TransportCounters,
     device_placement,
     join_group,
+    node_id,
     resolve_backend,
 )
 from actors.serialization import register_tensor_serializer
@@ -130,6 +131,9 @@ class DraftWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> str | None:
+        return node_id()
 
     def placement(self) -> str:
         return device_placement()
@@ -260,6 +264,7 @@ class DrafterActorHost:
         self.failures = 0
         self.restarts = 0
         self.pid: int | None = None
+        self.node: str | None = None  # the actor's Ray node
         self.remote: RemoteDrafter | None = None
         self._sent = TransportCounters()  # this end's counters of channels already closed
         self._store: StoreHost | None = None
@@ -288,7 +293,7 @@ class DrafterActorHost:
                            store)
         ray.get(joined, timeout=rt.collective_timeout_s)
         block = ray.get(actor.block_size.remote())
-        self.pid = ray.get(actor.pid.remote())
+        self.pid, self.node = ray.get([actor.pid.remote(), actor.node.remote()])
         self._store = store
         self.remote = RemoteDrafter(actor, block, rt.drafter_timeout_s,
                                     channel=FeatureChannel(group, DTYPES[self.config.target.dtype], self.device))
@@ -296,7 +301,7 @@ class DrafterActorHost:
     def _replace(self) -> None:
         """The actor failed: count it, drop it and its channel (undelivered messages are abandoned), start another."""
         self.failures += 1
-        old, self.remote, self.pid, self._store = self.remote, None, None, None
+        old, self.remote, self.pid, self.node, self._store = self.remote, None, None, None, None
         if old is not None:
             self._sent = self._sent + old.channel.counters
             ray.kill(old.actor, no_restart=True)

@@ -48,11 +48,11 @@ def replica_bundles(config: EngineFileConfig) -> list[dict[str, float]]:
     """Placement group bundles of one replica's actors: the target shards, then the drafter."""
     rt = config.runtime
 
-    def bundle(cpus: float, gpus: float) -> dict[str, float]:
-        return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    def bundle(cpus: float, gpus: float, custom: dict[str, float]) -> dict[str, float]:
+        return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **custom}
 
-    shards = [bundle(rt.shard_cpus, rt.shard_gpus) for _ in range(rt.tp_size)]
-    drafter = [bundle(rt.drafter_cpus, rt.drafter_gpus)] if _speculates(config) else []
+    shards = [bundle(rt.shard_cpus, rt.shard_gpus, rt.target_resources) for _ in range(rt.tp_size)]
+    drafter = [bundle(rt.drafter_cpus, rt.drafter_gpus, rt.drafter_resources)] if _speculates(config) else []
     return shards + drafter
 
 
@@ -93,6 +93,7 @@ class Router(Engine):
         self.placement, self.bundle_offset = placement, bundle_offset
         self.shards, self.drafter, self._pending_drafter = [], None, None
         self.actor_pids: dict = {"target_shards": [], "drafter": None}  # for operators (GET /health)
+        self.actor_nodes: dict = {"target_shards": [], "drafter": None}  # the Ray node of each (GET /health)
         self.drafter_restarts = 0
         self.feature_shard = 0  # the shard with the feature channel (set on connect)
         self._admitted = 0
@@ -120,6 +121,7 @@ class Router(Engine):
         ray.get([shard.join_tp.remote(address) for shard in self.shards])
         target = RemoteTarget(config, self.shards, full_config)
         self.actor_pids = {"target_shards": ray.get([shard.pid.remote() for shard in self.shards]), "drafter": None}
+        self.actor_nodes = {"target_shards": ray.get([shard.node.remote() for shard in self.shards]), "drafter": None}
         if not _speculates(config):
             return target, None
         actor = self._new_drafter_actor()
@@ -148,7 +150,7 @@ class Router(Engine):
         address = ray.get(sender.open_channel.remote())
         ray.get([sender.join_channel.remote(address), actor.join_channel.remote(address)],
                 timeout=self.file_config.runtime.collective_timeout_s)
-        self.actor_pids["drafter"] = ray.get(actor.pid.remote())
+        self.actor_pids["drafter"], self.actor_nodes["drafter"] = ray.get([actor.pid.remote(), actor.node.remote()])
 
     def _recover_drafter(self) -> None:
         """After a failure: replace the actor in the background, reconnect once it is up."""
@@ -237,6 +239,7 @@ class Router(Engine):
             ray.kill(self._pending_drafter[0], no_restart=True)
         self.shards, self.drafter, self._pending_drafter = [], None, None
         self.actor_pids = {"target_shards": [], "drafter": None}  # same schema while restarting
+        self.actor_nodes = {"target_shards": [], "drafter": None}
 
     def shutdown(self) -> None:
         self._kill_actors()

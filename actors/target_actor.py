@@ -24,6 +24,7 @@ from actors.collective import (
     all_reduce_fn,
     device_placement,
     join_group,
+    node_id,
     resolve_backend,
 )
 from actors.serialization import register_tensor_serializer
@@ -125,6 +126,9 @@ class TargetShard:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> str | None:
+        return node_id()
 
     def placement(self) -> str:
         return device_placement()

@@ -269,7 +269,27 @@ def _pod_capacity(group: dict) -> dict[str, float]:
     params = group.get("rayStartParams") or {}
     cpus = _quantity(params["num-cpus"]) if "num-cpus" in params else _quantity(limits.get("cpu", 0))
     gpus = _quantity(params["num-gpus"]) if "num-gpus" in params else _quantity(limits.get("nvidia.com/gpu", 0))
-    return {"CPU": cpus, "GPU": gpus}
+    return {"CPU": cpus, "GPU": gpus, **_custom_resources(params.get("resources"))}
+
+
+def _custom_resources(value) -> dict[str, float]:
+    """``rayStartParams.resources``: a JSON object as a string (KubeRay passes it to ``ray start --resources``)."""
+    if not value:
+        return {}
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError:
+        return {}  # malformed: Ray refuses it at start
+    return {str(k): float(v) for k, v in parsed.items()} if isinstance(parsed, dict) else {}
+
+
+def _fits(capacity: dict[str, float], need: dict[str, float]) -> bool:
+    return all(capacity.get(name, 0.0) >= amount for name, amount in need.items() if amount)
+
+
+def _times(capacity: dict[str, float], need: dict[str, float]) -> int:
+    """How many of ``need`` one pod of ``capacity`` holds."""
+    return int(min((capacity.get(name, 0.0) // amount for name, amount in need.items() if amount), default=1e9))
 
 
 def check_project(doc: dict, serve_config: dict, errors: list[str]) -> None:
@@ -293,20 +313,22 @@ def check_project(doc: dict, serve_config: dict, errors: list[str]) -> None:
         except (ConfigError, ValueError) as exc:
             errors.append(f"{where}.args: {exc}")
             continue
-        need = {"CPU": sum(b.get("CPU", 0) for b in options["placement_group_bundles"]),
-                "GPU": sum(b.get("GPU", 0) for b in options["placement_group_bundles"])}
-        fitting = [(name, cap, most) for name, cap, most in pods
-                   if cap["CPU"] >= need["CPU"] and cap["GPU"] >= need["GPU"]]
-        if not fitting:
-            errors.append(f"{where}: one replica of {args.config} needs {need['CPU']:g} CPUs and {need['GPU']:g} "
-                          f"GPUs on one pod; no pod group offers that "
+        bundles = options["placement_group_bundles"]
+        if options["placement_group_strategy"] == "STRICT_PACK":  # the whole replica on one pod
+            groups = [{name: sum(b.get(name, 0) for b in bundles) for name in {n for b in bundles for n in b}}]
+        else:  # each bundle on a pod of its own choosing; the replica process's bundle counts the replicas
+            groups = bundles
+        unplaced = [need for need in groups if not any(_fits(cap, need) for _, cap, _ in pods)]
+        if unplaced:
+            need = unplaced[0]
+            wants = ", ".join(f"{need[k]:g} {k}" for k in sorted(need, key=lambda k: (k not in ("CPU", "GPU"), k))
+                              if need[k])
+            errors.append(f"{where}: one replica of {args.config} needs {wants} on one pod; no pod group offers that "
                           f"({', '.join(f'{n}: {c}' for n, c, _ in pods)})")
             continue
         scaling = config.serving.autoscaling
         wanted = scaling.max_replicas if scaling else config.serving.num_replicas
-        room = sum(int(min(cap["CPU"] // need["CPU"] if need["CPU"] else 1e9,
-                           cap["GPU"] // need["GPU"] if need["GPU"] else 1e9)) * most
-                   for _, cap, most in fitting)
+        room = sum(_times(cap, groups[0]) * most for _, cap, most in pods if _fits(cap, groups[0]))
         if wanted > room:
             errors.append(f"{where}: {args.config} asks for up to {wanted} replicas but the pod groups hold "
                           f"at most {room}")

@@ -33,8 +33,11 @@ def placement_bundles(config: EngineFileConfig) -> list[dict[str, float]]:
     target shard actors and the drafter actor; vllm with tensor parallelism on GPUs: vLLM's Ray workers (it takes
     the first ``tp_size`` bundles holding a GPU), then with ``engine.vllm_drafter: actor`` our drafter actor."""
     gpus = replica_gpus(config)
-    head = {"CPU": replica_cpus(config), **({"GPU": gpus} if gpus else {})}
     rt = config.runtime
+    head = {"CPU": replica_cpus(config), **({"GPU": gpus} if gpus else {}), **rt.replica_resources}
+    if config.engine.backend == "vllm" and not vllm_workers(config):  # vLLM computes the target in the replica
+        for name, amount in rt.target_resources.items():
+            head[name] = head.get(name, 0.0) + amount
     if config.engine.backend == "native":
         return [head, *replica_bundles(config)]
     actor = replica_bundles(config)[rt.tp_size:] if config.engine.vllm_drafter == "actor" else []

@@ -16,6 +16,7 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.util import get_current_placement_group
 
+from actors.collective import node_id
 from actors.router import Router
 from actors.serving_loop import ServingLoop
 from actors.speculation_switch import SpeculationSwitch
@@ -110,6 +111,7 @@ class DSparkServer(GrpcApi):
     def health_details(self) -> dict:
         """What GET /health adds for a caller with the API key."""
         return {"replica": self.replica_id, "actors": self.router.actor_pids,
+                "nodes": {"replica": node_id(), **self.router.actor_nodes},
                 "speculation_enabled": self.router.speculation_enabled, "dtypes": self.router.dtypes,
                 "engine": self.router.description, "draft_sources": getattr(self.router, "draft_sources", None),
                 "speculation_switch": self.loop.switch.describe() if self.loop.switch is not None else None,

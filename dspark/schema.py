@@ -168,6 +168,20 @@ class RuntimeSpec(_Strict):
                                               "drafter drafts one while the target verifies the other.")
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="Ray placement group strategy of one replica's actors.")
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources the replica process's bundle asks for, to steer it "
+                                          "to the nodes that advertise them (ray start --resources; a KubeRay worker "
+                                          "group's rayStartParams.resources): e.g. {dspark_replica: 1} with every "
+                                          "engine node advertising dspark_replica: 1 holds at most one replica per "
+                                          "node. With the vllm backend on CPUs the replica process is the target.")
+    target_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each target shard actor's bundle asks for (vllm "
+                                          "backend without Ray workers: added to the replica's bundle, where vLLM "
+                                          "computes).")
+    drafter_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources the drafter actor's bundle asks for: e.g. "
+                                          "{dspark_drafter: 1} places it on a node group of its own, apart from "
+                                          "the target's (the hidden states then cross the network each round).")
     shard_cpus: float = Field(0.5, ge=0, description="CPUs reserved per target shard actor.")
     shard_gpus: float = Field(0, ge=0, description="GPUs per target shard actor.")
     drafter_cpus: float = Field(0.5, ge=0, description="CPUs reserved for the drafter actor.")
@@ -224,6 +238,16 @@ class RuntimeSpec(_Strict):
         if cpus is not None and (min(cpus) < 0 or len(set(cpus)) != len(cpus)):
             raise ValueError(f"engine_cpus must be distinct core ids >= 0, got {cpus}")
         return cpus
+
+    @field_validator("replica_resources", "target_resources", "drafter_resources")
+    @classmethod
+    def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory") or not name:
+                raise ValueError(f"{name!r} is not a custom resource (CPUs and GPUs have fields of their own)")
+            if not amount > 0:
+                raise ValueError(f"resource {name!r}: amount must be > 0, got {amount}")
+        return resources
 
     @model_validator(mode="after")
     def _feature_shard_exists(self) -> RuntimeSpec:

@@ -81,6 +81,8 @@ BROKEN = {
         limits={"cpu": "112", "memory": "1600Gi", "nvidia.com/gpu": "4"},
         requests={"cpu": "112", "memory": "1600Gi", "nvidia.com/gpu": "4"}), "no pod group offers that"),
     "too-few-nodes": (lambda d: _workers(d).update(maxReplicas=2), "at most 2"),
+    "replica-resource-not-advertised": (lambda d: _workers(d)["rayStartParams"].pop("resources"),
+                                        "8 GPU, 1 dspark_replica on one pod; no pod group offers that"),
     "incremental-without-autoscaler": (lambda d: d["spec"]["rayClusterConfig"].__setitem__(
         "enableInTreeAutoscaling", False), "needs the Ray autoscaler"),
     "port-name-too-long": (lambda d: _workers(d)["template"]["spec"]["containers"][0]["ports"].append(

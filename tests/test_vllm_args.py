@@ -219,6 +219,27 @@ def test_drafter_actor_mode_reserves_a_bundle_and_tells_the_proposer(tmp_path):
     assert engine_arguments(actor.with_concrete_dtypes()[0])["additional_config"]["dspark"]["drafter"] == "actor"
 
 
+@pytest.mark.parametrize("backend", ["native", "vllm"])
+def test_custom_resources_steer_each_bundle(tmp_path, backend):
+    """runtime.replica_/target_/drafter_resources go to the replica's, the target's and the drafter's bundles (vllm
+    on CPUs: the target computes in the replica's bundle); CPU and GPU are refused there by name."""
+    config = load_engine_config(REPO / "configs" / "embedded.yaml")
+    engine = {"backend": backend, **({"vllm_drafter": "actor"} if backend == "vllm" else {})}
+    runtime = {"replica_resources": {"dspark_replica": 1}, "target_resources": {"fast_memory": 2},
+               "drafter_resources": {"dspark_drafter": 0.5}, "placement_strategy": "PACK"}
+    variant = load_engine_config(write_variant(config, tmp_path / "steered.yaml", engine=engine, runtime=runtime))
+    bundles = deployment_options(variant)["placement_group_bundles"]
+    if backend == "native":  # the replica, its target shard, its drafter
+        assert bundles[0]["dspark_replica"] == 1 and "fast_memory" not in bundles[0]
+        assert bundles[1]["fast_memory"] == 2 and "dspark_replica" not in bundles[1]
+        assert bundles[2]["dspark_drafter"] == 0.5 and len(bundles) == 3
+    else:  # the replica computing the target, its drafter actor
+        assert bundles[0]["dspark_replica"] == 1 and bundles[0]["fast_memory"] == 2
+        assert bundles[1]["dspark_drafter"] == 0.5 and len(bundles) == 2
+    with pytest.raises(ConfigError, match="runtime.drafter_resources"):
+        write_variant(config, tmp_path / "bad.yaml", runtime={"drafter_resources": {"CPU": 1}})
+
+
 @pytest.mark.parametrize("overlap,drafter_gpus,expected", [(None, 0, False), (None, 1, True), (True, 0, True),
                                                            (False, 1, False)])
 def test_the_drafter_actors_overlap_is_on_where_it_has_a_gpu_unless_set(tmp_path, overlap, drafter_gpus, expected):

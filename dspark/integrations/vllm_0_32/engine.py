@@ -144,6 +144,11 @@ class VllmEngine:
         return pids
 
     @property
+    def actor_nodes(self) -> dict:
+        """The Ray node of the drafter actor (``engine.vllm_drafter: actor``; vLLM computes in the replica)."""
+        return {"drafter": getattr(self.remote_drafter, "node", None)} if self.remote_drafter is not None else {}
+
+    @property
     def draft_sources(self) -> dict[str, dict] | None:
         """Our proposer's counters by draft source (head, lookup): drafts, tokens, accepted, per position."""
         if self.drafter is None:

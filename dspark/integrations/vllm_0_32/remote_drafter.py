@@ -81,7 +81,7 @@ def _drafter_state(worker) -> dict | None:
         return None
     drafter, host = proposer.step_drafter, proposer.host
     return {"verified": drafter.verified, "verified_sources": drafter.verified_sources, "stats": drafter.stats,
-            "profile": drafter.profile, "pid": host.pid, "sent": host.sent}
+            "profile": drafter.profile, "pid": host.pid, "node": host.node, "sent": host.sent}
 
 
 def _shutdown_drafter(worker) -> None:
@@ -101,6 +101,7 @@ class WorkerDrafter:
         from dspark.integrations.step_drafter import StepDrafterStats
 
         self.llm, self.pid = llm, pid
+        self.node: str | None = None  # the actor's Ray node, after the first refresh
         self.verified: dict[str, int] = {}
         self.verified_sources: dict[str, str] = {}
         self.stats = StepDrafterStats()
@@ -111,7 +112,7 @@ class WorkerDrafter:
         state = next(s for s in self.llm.collective_rpc(_drafter_state) if s is not None)
         self.verified, self.stats, self.profile = state["verified"], state["stats"], state["profile"]
         self.verified_sources = state.get("verified_sources", {})
-        self.pid, self.sent = state["pid"], state["sent"]
+        self.pid, self.node, self.sent = state["pid"], state.get("node"), state["sent"]
 
     def collect(self) -> None:
         pass  # nothing in flight
