@@ -97,3 +97,31 @@ def test_bad_gate_settings_name_the_field():
         DraftGateConfig(smoothing=0)
     with pytest.raises(ConfigError, match="draft_gate.max_backoff"):
         DraftGateConfig(max_backoff=0)
+
+
+def test_the_hybrid_takes_lookup_only_where_it_beats_both_the_head_and_plain_decoding():
+    """Greedy, cost table measured: a lookup draft is this step's source when its expected tokens per second of
+    step beat the head's and plain decoding's; a lookup that beats a weak head but not plain decoding leaves the
+    step to the head's turn (where the draft gate skips a head below break-even)."""
+    import torch
+
+    from dspark.integrations.step_drafter import RowParams, StepDrafter, _Sequence
+
+    drafter = StepDrafter(None, block_size=7, sources="hybrid")
+    for _ in range(3):  # plain step 10 ms; 8 tokens 30 ms (a CPU where verifying costs): break-even is steep
+        drafter.costs.record(1, 0.010)
+        drafter.costs.record(8, 0.030)
+    drafter.costs.record_draft(0.004)
+    params = RowParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, max_total_tokens=1000)
+    seq = _Sequence(torch.Generator(), prompt=[5, 6, 7, 8, 9, 10, 11, 12, 5, 6])  # "5 6" recurs: a 7-token match
+    seq.head_accepted = 0.2  # a head that accepts little
+    # the prior (0.6 per token, survival 0.6, 0.36, ...): E = 1.46 over 7 tokens; (1 + 1.46) / 30 ms = 82 tok/s
+    # against plain 100 tok/s: lookup loses to plain decoding, though it beats the head (1.2 / 34 ms = 35 tok/s)
+    assert drafter._choose(seq, 7, params) is None
+    for _ in range(6):  # its lookup drafts keep every token: P(kept) 0.9 each, E = 4.7, (1 + 4.7) / 30 ms = 190 tok/s
+        seq.lookup_record.record(7, 7)
+    tokens, _ = drafter._choose(seq, 7, params)
+    assert tokens == [7, 8, 9, 10, 11, 12, 5]
+    # before any cost table (and for sampled rows): lookup when its expected accepted tokens reach the head's
+    fresh = StepDrafter(None, block_size=7, sources="hybrid")
+    assert fresh._choose(_Sequence(torch.Generator(), prompt=[5, 6, 7, 8, 9, 10, 11, 12, 5, 6]), 7, params) is not None

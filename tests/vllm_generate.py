@@ -4,9 +4,9 @@
 
 REQUEST_JSON_FILE: {"engine_args": ..., "prompts": [[ids]], "params": [{SamplingParams kwargs}] (one per prompt, or
 one for all), "concurrency": [1, N, ...] (one run of all prompts per entry, in turn, on the one engine: 1 = one
-request at a time, N = all submitted together, vLLM batching up to max_num_seqs), "broken_draft_probs": false,
-"drafter_actor": null or a serving config (engine.vllm_drafter: actor) whose drafter actor our proposer drafts
-through (a local Ray cluster of this process's own), "rank_digests": false}.
+request at a time, N = all submitted together, vLLM batching up to max_num_seqs), "broken_draft_probs": false (true:
+every row's, "lookup": the lookup rows' only), "drafter_actor": null or a serving config (engine.vllm_drafter: actor)
+whose drafter actor our proposer drafts through (a local Ray cluster of this process's own), "rank_digests": false}.
 Prints one JSON object, {"runs": [...]}, one entry per run: "outputs" (token ids per prompt), "spec" (vLLM's
 spec_decode counters of that run), "proposer" (the DSpark proposer's own counters of that run, when one drafted,
 with "collects" and "after_outputs": see ``CollectTiming``); with "rank_digests", "ranks": per tensor-parallel rank
@@ -29,14 +29,21 @@ from dspark.integrations import step_drafter
 from dspark.integrations.vllm_0_32.remote_drafter import WorkerDrafter, dspark_proposer
 
 
-def break_draft_probs() -> None:
+def break_draft_probs(rows: str = "all") -> None:
+    """``rows``: "all" reports every row's draft distribution as uniform; "lookup" only the rows whose draft came from
+    prompt lookup (a hybrid that accepts lookup tokens without the target's probability)."""
     collect = step_drafter.StepDrafter.collect  # every step's drafts pass here (propose, and submit + collect)
 
     def lying(self):
         out = collect(self)
         if out.draft_probs is None:
             return out
-        return replace(out, draft_probs=out.draft_probs.new_full(out.draft_probs.shape, 1 / out.draft_probs.shape[-1]))
+        uniform = out.draft_probs.new_full(out.draft_probs.shape[1:], 1 / out.draft_probs.shape[-1])
+        probs = out.draft_probs.clone()
+        for i, rid in enumerate(self._row_ids):
+            if rows == "all" or self._sent_sources.get(rid) == rows:
+                probs[i] = uniform
+        return replace(out, draft_probs=probs)
 
     step_drafter.StepDrafter.collect = lying
 
@@ -133,7 +140,7 @@ def step_digest(worker) -> list:
 if __name__ == "__main__":
     request = json.loads(open(sys.argv[1]).read())
     if request.get("broken_draft_probs"):
-        break_draft_probs()
+        break_draft_probs("lookup" if request["broken_draft_probs"] == "lookup" else "all")
     timing = CollectTiming()
     host = None
     llm = LLM(**request["engine_args"], disable_log_stats=False)

@@ -524,9 +524,11 @@ class StepDrafter:
         """The request's lookup draft if lookup is this step's source for it, else None (the head's turn, or
         nothing). Hybrid: lookup when its expected accepted tokens per second of step are at least the head's —
         ``(1 + E) / t(1 + k)`` for lookup (no draft pass) against ``(1 + E_head) / (t(1 + G) + d(1))``, ``t`` and
-        ``d`` from the measured cost table (before it exists, and for sampled rows, whose draws must not depend on the
-        server's timings: lookup when ``E >= E_head``). Both estimates come from the request's own verified drafts
-        and fixed priors, never from other requests."""
+        ``d`` from the measured cost table — and at least plain decoding's ``1 / t(1)`` (a lookup below break-even
+        is no better than the head the draft gate would skip: the head's turn then, which the gate decides). Before
+        the table exists, and for sampled rows, whose draws must not depend on the server's timings: lookup when
+        ``E >= E_head``. Both estimates come from the request's own verified drafts and fixed priors, never from
+        other requests."""
         if self.sources == "head" or seq.lookup is None or k <= 0:
             return None
         draft = seq.lookup.propose(k)
@@ -542,10 +544,11 @@ class StepDrafter:
         if profile is None:
             take = expected >= head
         else:
-            t = profile.round_seconds(torch.tensor([1 + len(draft.tokens), 1 + self.block_size])) \
+            t = profile.round_seconds(torch.tensor([1, 1 + len(draft.tokens), 1 + self.block_size])) \
                 - profile.draft_seconds
             draft_pass = self.costs.draft_seconds_at(1)
-            take = (1 + expected) / float(t[0]) >= (1 + head) / (float(t[1]) + draft_pass)
+            rate = (1 + expected) / float(t[1])  # tokens per second of step with the lookup draft
+            take = rate >= (1 + head) / (float(t[2]) + draft_pass) and rate >= 1 / float(t[0])
         return (draft.tokens, conditionals) if take else None
 
     def _add_lookups(self, flight: _InFlight, lookups: dict, rows: StepRows) -> None:
