@@ -89,7 +89,7 @@ def test_bf16_speculative_greedy_is_bit_exact_with_the_shipped_head(smollm2):
                        torch.bfloat16).bind_target(target.embed_tokens, target.lm_head)
     prompts = [encode_prompt(tok, p, chat=True) for name in ("humaneval", "gsm8k", "mt-bench")
                for p in benchmark_prompts(name, 2)]
-    params = SamplingParams(max_tokens=48, temperature=0)
+    params = SamplingParams(max_tokens=32, temperature=0)
     plain = Engine(target, tok, None, EngineConfig(speculate=False, kv_cache_tokens=4096)).generate(prompts, params)
     spec_engine = Engine(target, tok, DSparkDrafter(draft, 4096, 16, 64),
                          EngineConfig(kv_cache_tokens=4096, max_num_seqs=4, scheduler="full"), (2, 7, 21, 26, 28))

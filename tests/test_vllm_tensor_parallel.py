@@ -24,7 +24,7 @@ from vllm_runs import GREEDY, MAX_TOKENS, fp32_vllm_config, shared_texts, vllm_g
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 HTTP_PORT, GRPC_PORT = 8310, 9310
-PROMPTS, TP = 8, 3
+PROMPTS, TP = 4, 3  # 3 ranks on 2 cores, a request at a time: 4 prompts prove what 8 did
 ENGINE = {"backend": "vllm", "vllm_speculation": "dspark_plugin", "vllm_drafter": "actor", "max_num_seqs": 8,
           "scheduler": "full", "draft_gate": False}  # every step drafts
 
@@ -35,8 +35,8 @@ def tensor_parallel(config):
 
 @pytest.fixture(scope="module")
 def runs(plain_vllm_fp32, tmp_path_factory) -> dict:
-    """fp32, full blocks, no gate, one request at a time on 8 of the shared prompts: plain vLLM greedy; then our
-    proposer drafting through the drafter actor, the same 8 greedy and at T=1 / top-p 0.95 with seeds, each rank
+    """fp32, full blocks, no gate, one request at a time on 4 of the shared prompts: plain vLLM greedy; then our
+    proposer drafting through the drafter actor, the same 4 greedy and at T=1 / top-p 0.95 with seeds, each rank
     digesting its proposer's steps."""
     config = tensor_parallel(fp32_vllm_config())
     prompts = plain_vllm_fp32["prompts"][:PROMPTS]
@@ -62,7 +62,7 @@ def test_rank_0_hosts_the_drafter_and_every_rank_verifies_the_same_drafts(runs):
     stats = run["proposer"]  # rank 0's proposer, read by the engine's view of it (WorkerDrafter)
     assert stats["drafted_rows"] > 0 and run["spec"]["accepted"] > 0
     assert stats["drafter_seconds"] > 0 and stats["transport_seconds"] > 0 and stats["overlapped_steps"] == 0
-    assert run["channel"]["sent"] > 100  # one message per step, rank 0's worker to the actor
+    assert run["channel"]["sent"] > 50  # one message per step, rank 0's worker to the actor
     digests, steps = {d for d, _ in run["ranks"]}, {n for _, n in run["ranks"]}
     assert len(run["ranks"]) == TP and len(digests) == 1 and len(steps) == 1
     assert steps.pop() >= 2 * PROMPTS * (MAX_TOKENS // 8)  # at most 8 tokens a step
