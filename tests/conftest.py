@@ -106,6 +106,9 @@ def free_port() -> int:
 
 
 RAY_METRICS_PORT = free_port()  # the node's metrics agent: Prometheus text of every ray.util.metrics series
+# Local clusters of this suite (the session's, `serve run`'s, the scripts' own: tests/vllm_generate.py with a drafter
+# actor, tests/cluster_run.py) run without Ray's token authentication, whichever module runs first or alone.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 @pytest.fixture(scope="session")
