@@ -12,8 +12,6 @@ Prints one JSON line per event on stdout: {"ready": {"nodes": {name: node id}}} 
 answer per command read from stdin (one JSON object per line):
 - {"cmd": "placement"}: {"placement": [{"bundles": {index: node id}, "strategy": ...}]} for every placement group,
   from Ray's placement group table;
-- {"cmd": "remove", "node": name}: the node's raylet stopped (its processes die with it);
-- {"cmd": "add", "node": name, "num_cpus": ..., "resources": {...}}: a node joins the running cluster;
 - {"cmd": "stop"}: Serve shut down, the cluster stopped, the script exits.
 """
 
@@ -71,14 +69,6 @@ def main() -> None:
             table = ray.util.placement_group_table()
             say(placement=[{"bundles": pg["bundles_to_node_id"],
                             "strategy": pg["strategy"], "state": pg["state"]} for pg in table.values()])
-        elif command["cmd"] == "remove":
-            cluster.remove_node(nodes.pop(command["node"]), allow_graceful=False)
-            say(removed=command["node"])
-        elif command["cmd"] == "add":
-            name = command["node"]
-            nodes[name] = cluster.add_node(**node_args(name, command))
-            cluster.wait_for_nodes()
-            say(added={name: nodes[name].node_id})
         elif command["cmd"] == "stop":
             break
     serve.shutdown()

@@ -116,7 +116,6 @@ def ray_cluster():
     """One local Ray cluster for the whole test session (2 logical CPUs; actors take fractions)."""
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(GRPC_MAX_MESSAGE_BYTES)  # read by the proxies Serve starts
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=RAY_METRICS_PORT)
     yield ray

@@ -289,7 +289,9 @@ def test_a_gpu_replica_with_the_drafter_actor_is_vllms_workers_and_the_drafter_i
         runtime={"tp_size": 4, "drafter_gpus": 1, "drafter_cpus": 4}))
     options = deployment_options(variant)
     bundles = options["placement_group_bundles"]
-    assert bundles == [{"CPU": 4}, *[{"CPU": 12, "GPU": 1}] * 4, {"CPU": 4, "GPU": 1}]
+    # the replica's bundle carries the config's node steering (runtime.replica_resources: one replica per node)
+    assert bundles == [{"CPU": 4, **variant.runtime.replica_resources}, *[{"CPU": 12, "GPU": 1}] * 4,
+                       {"CPU": 4, "GPU": 1}]
     assert options["placement_group_strategy"] == "STRICT_PACK" and options["ray_actor_options"]["num_gpus"] == 0
     vllm_takes = [i for i, bundle in enumerate(bundles) if bundle.get("GPU")][:4]
     assert vllm_takes == [1, 2, 3, 4] and drafter_bundle(variant) == 5

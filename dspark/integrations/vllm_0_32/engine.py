@@ -146,7 +146,7 @@ class VllmEngine:
     @property
     def actor_nodes(self) -> dict:
         """The Ray node of the drafter actor (``engine.vllm_drafter: actor``; vLLM computes in the replica)."""
-        return {"drafter": getattr(self.remote_drafter, "node", None)} if self.remote_drafter is not None else {}
+        return {"drafter": self.remote_drafter.node} if self.remote_drafter is not None else {}
 
     @property
     def draft_sources(self) -> dict[str, dict] | None:
