@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint prepare proto bench-ray bench-served report soak k8s-validate sizing image-gpu image-cpu clean
+.PHONY: install serve test lint prepare suffix proto bench-ray bench-served report soak k8s-validate sizing image-gpu image-cpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,19 @@ BACKEND ?=
 serve: prepare
 	RAY_AUTH_MODE=disabled RAY_SERVE_GRPC_MAX_MESSAGE_SIZE=4194304 DSPARK_BACKEND=$(BACKEND) \
 		$(BIN)/serve run configs/serve.yaml
+
+# vLLM's suffix decoding (engine.vllm_speculation: suffix, the peers' suffix row) needs arctic-inference, whose
+# PyPI wheels are CUDA builds: build 0.3.0 from its sdist here (the suffix trees are C++ via nanobind; its CUDA
+# kernels are skipped on a machine without nvcc). Not part of `make test`: nothing in the suite needs it.
+ARCTIC := build/arctic
+suffix: $(STAMP)
+	rm -rf $(ARCTIC) && mkdir -p $(ARCTIC)
+	$(BIN)/pip download --quiet --no-deps --no-binary :all: arctic-inference==0.3.0 -d $(ARCTIC)
+	$(BIN)/pip install --quiet --target $(ARCTIC)/tools nanobind==2.9.2 protobuf==5.29.6 grpcio-tools setuptools wheel
+	tar xzf $(ARCTIC)/arctic_inference-0.3.0.tar.gz -C $(ARCTIC)
+	cd $(ARCTIC)/arctic_inference-0.3.0 && PYTHONPATH=$(CURDIR)/$(ARCTIC)/tools $(CURDIR)/$(BIN)/pip wheel --quiet \
+		--no-build-isolation --no-deps -w $(CURDIR)/$(ARCTIC)/wheel .
+	$(BIN)/pip install --quiet --no-deps $(ARCTIC)/wheel/arctic_inference-0.3.0-*.whl
 
 # Regenerate the gRPC stubs of dspark/v1/serving.proto (committed; run after editing the proto).
 proto: $(STAMP)

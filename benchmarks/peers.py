@@ -1,6 +1,7 @@
 """Peers on this machine, one run: the same target, prompts and dtype through every engine a user could pick.
 
-Systems: vLLM plain, vLLM + prompt lookup (its ``ngram`` proposer), vLLM + this project's DSpark proposer (the dspark
+Systems: vLLM plain, vLLM + prompt lookup (its ``ngram`` proposer), vLLM + suffix decoding (its ``suffix`` method,
+arctic-inference's suffix trees: ``make suffix`` builds it), vLLM + this project's DSpark proposer (the dspark
 vLLM plugin, ``engine.vllm_speculation: dspark_plugin``, with the config's gate and scheduler), the same with the head
 in the drafter actor (``engine.vllm_drafter: actor``: hidden states over gloo), this project's native engine plain and
 with the DSpark head (the embedded default's engine settings: confidence scheduler, draft gate), ``transformers``
@@ -345,6 +346,8 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
     systems = {
         "vLLM plain": lambda: vllm_system(config_path, dtype, "off", prompts, max_tokens),
         "vLLM + ngram (prompt lookup, k=5)": lambda: vllm_system(config_path, dtype, "ngram", prompts, max_tokens),
+        "vLLM + suffix (suffix decoding, arctic-inference 0.3.0)": lambda: vllm_system(
+            config_path, dtype, "suffix", prompts, max_tokens),
         f"vLLM + DSpark ({head}, our proposer in vLLM)": lambda: vllm_system(
             config_path, dtype, "dspark_plugin", prompts, max_tokens, draft_dtype=draft_dtype),
         f"vLLM + hybrid ({head} + prompt lookup, chosen per request and step)": lambda: vllm_system(

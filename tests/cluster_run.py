@@ -12,6 +12,8 @@ Prints one JSON line per event on stdout: {"ready": {"nodes": {name: node id}}} 
 answer per command read from stdin (one JSON object per line):
 - {"cmd": "placement"}: {"placement": [{"bundles": {index: node id}, "strategy": ...}]} for every placement group,
   from Ray's placement group table;
+- {"cmd": "deploy", "config": path}: the app deleted and ``config`` deployed in its place on the same cluster;
+  {"deployed": true} once it answers;
 - {"cmd": "stop"}: Serve shut down, the cluster stopped, the script exits.
 """
 
@@ -69,6 +71,11 @@ def main() -> None:
             table = ray.util.placement_group_table()
             say(placement=[{"bundles": pg["bundles_to_node_id"],
                             "strategy": pg["strategy"], "state": pg["state"]} for pg in table.values()])
+        elif command["cmd"] == "deploy":
+            serve.delete("dspark")  # its replicas and their actors gone before the new app asks for their nodes
+            serve.run(build_app({"config": command["config"]}), name="dspark", route_prefix="/", blocking=False)
+            wait_healthy(spec["http_port"])
+            say(deployed=True)
         elif command["cmd"] == "stop":
             break
     serve.shutdown()

@@ -289,7 +289,7 @@ def assert_vllm_reads_as_we_do(config_file: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def plain_vllm_fp32(tmp_path_factory) -> dict:
-    """Plain vLLM's fp32 greedy replies to the 40 shared chat prompts, one request at a time, with the embedded
+    """Plain vLLM's fp32 greedy replies to the 20 shared chat prompts, one request at a time, with the embedded
     default's engine settings (``vllm_runs.fp32_vllm_config``, speculation off): the reference of both vLLM test
     modules (vLLM + our proposer against it; the native engine against it), run once per session."""
     from dspark.integrations.vllm_0_32.args import engine_arguments

@@ -134,13 +134,13 @@ def test_degraded_acceptance_adds_a_replica_and_recovered_acceptance_removes_it(
         load = OpenLoop(rate=LOAD * capacity / MAX_TOKENS)
         print(f"offering {LOAD * capacity:.1f} tokens/s", flush=True)
         try:
-            holds(replicas, 25, "one replica: at greedy acceptance it carries the load", until=lambda n: n == 1)
+            holds(replicas, 15, "one replica: at greedy acceptance it carries the load", until=lambda n: n == 1)
             load.temperature = 1.5  # the drafter's proposals are now accepted far less often
             scaled_to(2, 180, "a second replica after acceptance fell")
             holds(replicas, 30, "two replicas while acceptance stays low", until=lambda n: n == 2)
             load.temperature = 0.0  # acceptance recovers at the same offered load
             scaled_to(1, 420, "back to one replica after acceptance recovered")
-            holds(replicas, 30, "one replica while acceptance stays high", until=lambda n: n == 1)  # no flapping
+            holds(replicas, 15, "one replica while acceptance stays high", until=lambda n: n == 1)  # no flapping
         finally:
             load.stop.set()
             errors = load.errors

@@ -102,26 +102,70 @@ def test_bad_gate_settings_name_the_field():
 def test_the_hybrid_takes_lookup_only_where_it_beats_both_the_head_and_plain_decoding():
     """Greedy, cost table measured: a lookup draft is this step's source when its expected tokens per second of
     step beat the head's and plain decoding's; a lookup that beats a weak head but not plain decoding leaves the
-    step to the head's turn (where the draft gate skips a head below break-even)."""
+    step to the head's turn (where the draft gate skips a head below break-even). A greedy row's estimate pools
+    every request's lookup drafts of the same match length; a seeded sampled row's is its own."""
     import torch
 
     from dspark.integrations.step_drafter import RowParams, StepDrafter, _Sequence
 
     drafter = StepDrafter(None, block_size=7, sources="hybrid")
-    for _ in range(3):  # plain step 10 ms; 8 tokens 30 ms (a CPU where verifying costs): break-even is steep
+    for _ in range(3):  # plain step 10 ms; 8 tokens 45 ms (a CPU where verifying costs): break-even is steep
         drafter.costs.record(1, 0.010)
-        drafter.costs.record(8, 0.030)
+        drafter.costs.record(8, 0.045)
     drafter.costs.record_draft(0.004)
     params = RowParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, max_total_tokens=1000)
-    seq = _Sequence(torch.Generator(), prompt=[5, 6, 7, 8, 9, 10, 11, 12, 5, 6])  # "5 6" recurs: a 7-token match
-    seq.head_accepted = 0.2  # a head that accepts little
-    # the prior (0.6 per token, survival 0.6, 0.36, ...): E = 1.46 over 7 tokens; (1 + 1.46) / 30 ms = 82 tok/s
-    # against plain 100 tok/s: lookup loses to plain decoding, though it beats the head (1.2 / 34 ms = 35 tok/s)
-    assert drafter._choose(seq, 7, params) is None
-    for _ in range(6):  # its lookup drafts keep every token: P(kept) 0.9 each, E = 4.7, (1 + 4.7) / 30 ms = 190 tok/s
-        seq.lookup_record.record(7, 7)
-    tokens, _ = drafter._choose(seq, 7, params)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6]  # "5 6" recurs: a 2-token match, a 7-token draft
+
+    def sequence() -> _Sequence:
+        seq = _Sequence(torch.Generator(), prompt=prompt)
+        seq.head_accepted = 0.2  # a head that accepts little
+        return seq
+
+    # the prior (survival 0.7, 0.53, 0.42, 0.36, 0.30, 0.26, 0.22): E = 2.79 over 7 tokens; (1 + 2.79) / 45 ms =
+    # 84 tok/s against plain 100 tok/s: lookup loses to plain decoding, though it beats the head (1.2 / 49 ms)
+    assert drafter._choose(sequence(), 7, params) is None
+    for _ in range(6):  # other requests' 2-token matches kept every token: P(kept) ~0.93 each, E ~5.4: 142 tok/s
+        drafter.lookup_stats.record(2, True, 7, 7)
+    tokens, _ = drafter._choose(sequence(), 7, params)
     assert tokens == [7, 8, 9, 10, 11, 12, 5]
+    drafter.lookup_stats.record(3, True, 7, 0)  # another match length's record is another estimate
+    drafter.lookup_stats.record(2, False, 7, 0)  # and sampled rows' records another
+    assert drafter._choose(sequence(), 7, params) is not None
+    # a seeded sampled row goes by its own drafts and the prior, whatever other requests verified
+    pinned = RowParams(temperature=1.0, top_p=1.0, top_k=0, seed=7, max_total_tokens=1000)
+    assert pinned.pinned
+    seq = sequence()
+    seq.head_accepted = 3.0  # E = 2.79 < 3.0: the head's turn
+    assert drafter._choose(seq, 7, pinned) is None
+    for _ in range(6):
+        seq.lookup_record.record(7, 7)
+    assert drafter._choose(seq, 7, pinned) is not None
     # before any cost table (and for sampled rows): lookup when its expected accepted tokens reach the head's
     fresh = StepDrafter(None, block_size=7, sources="hybrid")
     assert fresh._choose(_Sequence(torch.Generator(), prompt=[5, 6, 7, 8, 9, 10, 11, 12, 5, 6]), 7, params) is not None
+
+
+def test_a_new_greedy_request_starts_from_what_the_servers_head_accepted():
+    """Once the server's greedy requests have shown a head below break-even, a new greedy request starts backed
+    off (a probe every max_backoff rounds), not drafting from the optimistic start; a sampled request, whose draws
+    must not depend on other traffic, still starts from the configured value."""
+    from dspark.decoding.draft_gate import PooledAcceptance
+
+    gate = DraftGate(1.5, DraftGateConfig(initial_accepted=1.0, max_backoff=4, pooled_backoff=8))
+    pool = PooledAcceptance(min_rounds=16)
+    for _ in range(15):
+        pool.observe(0)
+    assert pool.value is None  # too few rounds to speak for the server
+    pool.observe(1)
+    assert pool.value == pytest.approx(1 / 16)
+    backed_off = gate.new_state(pool.value)
+    assert [gate.wants_draft(backed_off, 1, clock) for clock in range(1, 17)].count(True) == 2  # rounds 8, 16
+    gate.record(backed_off, 0)  # a probe below break-even: the next one as far off (not max_backoff's 4)
+    assert backed_off.period == 8 and backed_off.backoff == 8
+    gate.record(backed_off, 6)  # a probe that pays (average 1.83 >= 1.5): drafting again, every round
+    assert backed_off.period == 1 and gate.wants_draft(backed_off, 1, 3)
+    fresh = gate.new_state(None)  # a sampled row
+    assert fresh.accepted == 1.0 and gate.wants_draft(fresh)
+    for _ in range(200):  # the head pays on this traffic: new greedy requests start where it stands
+        pool.observe(3)
+    assert gate.new_state(pool.value).accepted == pytest.approx(3.0, abs=0.01)

@@ -348,7 +348,7 @@ def test_concurrent_clients_are_answered_or_refused_with_retry_after(app, client
         start = time.monotonic()
         try:
             response = requests.post(f"{HTTP}/v1/completions", headers=AUTH, timeout=deadline,
-                                     json={"model": MODEL, "prompt": f"Count to {i % 9 + 2}:", "max_tokens": 16,
+                                     json={"model": MODEL, "prompt": f"Count to {i % 9 + 2}:", "max_tokens": 4,
                                            "temperature": 0})
         except requests.RequestException as exc:
             return ("lost", type(exc).__name__, time.monotonic() - start)

@@ -1,9 +1,11 @@
 """Serving across Ray nodes: a 3-node cluster on this machine (``tests/cluster_run.py``: one raylet per node, logical
 CPUs), the embedded default on the native engine, two replicas steered by custom resources (``runtime.
 replica_resources``: each engine node holds one replica; ``runtime.drafter_resources``: the drafter actors on a node
-of their own). Where everything runs is read from Ray: each actor's node as its own runtime context reports it in
-``/health``, checked against Ray's placement group table. On one host this proves placement and addressing (the
-hidden states cross between raylets over gloo's TCP on the host's address), not a real network."""
+of their own); then, on the same cluster, one vLLM replica whose DSpark head drafts in the drafter actor on the
+drafter node (``engine.vllm_drafter: actor``). Where everything runs is read from Ray: each actor's node as its own
+runtime context reports it in ``/health``, checked against Ray's placement group table. On one host this proves
+placement and addressing (the hidden states cross between raylets over gloo's TCP on the host's address), not a
+real network."""
 
 from __future__ import annotations
 
@@ -19,14 +21,17 @@ import requests
 
 from dspark.builder import build_engine
 from dspark.config import SamplingParams
-from dspark.loader import encode_prompt
+from dspark.loader import encode_prompt, load_tokenizer
 from dspark.schema import load_engine_config, write_variant
 from dspark.training.prepare import prepare_target
 
 from conftest import REPO, benchmark_prompts, free_port, wait_for
+from vllm_runs import MAX_TOKENS as VLLM_MAX_TOKENS
+from vllm_runs import shared_texts
 
 pytestmark = pytest.mark.slow
 PROMPTS, MAX_TOKENS = 20, 12
+VLLM_PROMPTS = 4  # of the shared chat prompts, against the session's plain vLLM run of them
 NODES = {"a": {"num_cpus": 2, "resources": {"dspark_replica": 1}},
          "b": {"num_cpus": 2, "resources": {"dspark_replica": 1}},
          "c": {"num_cpus": 2, "resources": {"dspark_drafter": 2}}}
@@ -67,10 +72,10 @@ class ClusterRun:
             raise AssertionError(f"cluster_run.py gave no {key!r} within {timeout_s:g} s: {tail}")
         return found["value"]
 
-    def command(self, key: str, **command):
+    def command(self, key: str, timeout_s: float = 120, **command):
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
-        return self._event(key)
+        return self._event(key, timeout_s)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -152,3 +157,35 @@ def test_greedy_output_across_nodes_equals_plain_decoding(native_cluster):
         assert served == plain.tokenizer.decode(reference.token_ids, skip_special_tokens=True), text[:60]
     assert len({replica for _, replica, _ in replies}) == 2
     assert sum(spec["accepted_tokens"] for _, _, spec in replies) > 0  # the drafters across the node drafted
+
+
+def test_the_vllm_replicas_drafter_actor_runs_on_another_node_and_replies_as_plain_vllm(native_cluster,
+                                                                                      plain_vllm_fp32, tmp_path):
+    """The vLLM backend on the same cluster (the native app replaced): one replica on a replica node, vLLM's engine
+    in it, our DSpark head in the drafter actor on the drafter node, fed the target's hidden states across the
+    raylets over gloo. Its greedy chat replies equal offline plain vLLM's (fp32, the same engine settings), and the
+    head drafted."""
+    run, _ = native_cluster
+    config = write_variant(
+        load_engine_config(REPO / "configs" / "embedded.yaml"), tmp_path / "vllm.yaml",
+        target={"dtype": "float32"}, draft={"dtype": "float32"},
+        engine={"backend": "vllm", "vllm_speculation": "dspark_plugin", "vllm_drafter": "actor", "max_num_seqs": 8,
+                "scheduler": "full", "draft_gate": False, "draft_sources": "head"},
+        serving={"num_replicas": 1, "load_aware_speculation": False},
+        runtime={"replica_resources": {"dspark_replica": 1}, "drafter_resources": {"dspark_drafter": 1},
+                 "drafter_threads": 1})
+    run.command("deployed", cmd="deploy", config=str(config), timeout_s=600)
+    where = next(iter(replica_healths(run.http, 1).values()))["nodes"]
+    assert where["replica"] in (run.nodes["a"], run.nodes["b"]) and where["drafter"] == run.nodes["c"], where
+    served = load_engine_config(config)
+    tokenizer = load_tokenizer(served.resolve(served.target.path))
+    accepted = 0
+    for text, reference in zip(shared_texts(VLLM_PROMPTS), plain_vllm_fp32["outputs"]):
+        reply = requests.post(f"{run.http}/v1/chat/completions", timeout=300, json={
+            "model": served.name, "messages": [{"role": "user", "content": text}],
+            "max_tokens": VLLM_MAX_TOKENS, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["choices"][0]["message"]["content"] == tokenizer.decode(reference, skip_special_tokens=True)
+        accepted += body["spec"]["accepted_tokens"]
+    assert accepted > 0  # the head drafted from across the node, and its drafts were verified

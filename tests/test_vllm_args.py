@@ -125,6 +125,10 @@ def test_embedded_default_on_vllm_cpu(tmp_path, cli_quirks):
                                           "prompt_lookup_max": 5}
     check_speculative_config(args["speculative_config"])
     assert "distributed_executor_backend" not in args and args["tensor_parallel_size"] == 1
+    suffix = write_variant(config, tmp_path / "suffix.yaml", target={"dtype": "float32"},
+                           engine={"backend": "vllm", "vllm_speculation": "suffix"})
+    assert printed(suffix)[1]["speculative_config"] == {"method": "suffix"}  # vLLM's defaults
+    check_speculative_config({"method": "suffix"})
     target = deployment_from_config(load_engine_config(path)).target
     heads, key_dim, value_dim = target.cache_geometry
     assert args["kv_cache_memory_bytes"] == target.num_layers * heads * (key_dim + value_dim) * 4 * 32768

@@ -35,14 +35,15 @@ def tensor_parallel(config):
 
 @pytest.fixture(scope="module")
 def runs(plain_vllm_fp32, tmp_path_factory) -> dict:
-    """fp32, full blocks, no gate, one request at a time on 4 of the shared prompts: plain vLLM greedy; then our
-    proposer drafting through the drafter actor, the same 4 greedy and at T=1 / top-p 0.95 with seeds, each rank
-    digesting its proposer's steps."""
+    """fp32, full blocks, no gate, one request at a time on 4 of the shared prompts: our proposer drafting through
+    the drafter actor, the 4 greedy and at T=1 / top-p 0.95 with seeds, each rank digesting its proposer's steps;
+    against the session's plain vLLM run of the same prompts (one process: tensor parallelism on these cores splits
+    each matmul's fp32 sums in three and gave the same greedy tokens, so that run is the reference and saves
+    starting three more workers)."""
     config = tensor_parallel(fp32_vllm_config())
     prompts = plain_vllm_fp32["prompts"][:PROMPTS]
     env = engine_env(config)  # one thread per rank
-    plain, = vllm_generate(engine_arguments(with_speculation(config, "off")), prompts, [GREEDY],
-                           tmp_path_factory.mktemp("tp-plain"), env=env)
+    plain = {"outputs": plain_vllm_fp32["outputs"][:PROMPTS]}
     actor = with_speculation(config, "dspark_plugin")
     actor = actor.model_copy(update={"engine": actor.engine.model_copy(update={"vllm_drafter": "actor"})})
     params = [GREEDY] * PROMPTS + [{**GREEDY, "temperature": 1.0, "top_p": 0.95, "seed": i} for i in range(PROMPTS)]

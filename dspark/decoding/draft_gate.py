@@ -40,6 +40,10 @@ class DraftGateConfig:
     smoothing: float = 0.3  # weight of the newest drafted round in the moving average
     initial_accepted: float = 1.0  # the average a new request starts from (optimistic: it drafts first)
     max_backoff: int = 16  # longest run of plain rounds between two probes
+    # the probe period of a greedy request that starts below break-even from the server's pooled record (its head
+    # is known not to pay on this traffic, and a probe costs a draft pass that first catches up the request's
+    # context: on a 2-core CPU in fp32 ~60 ms, a target step, for ~0.6 accepted tokens)
+    pooled_backoff: int = 64
 
     def __post_init__(self) -> None:
         if not 0 < self.smoothing <= 1:
@@ -48,6 +52,8 @@ class DraftGateConfig:
             raise ConfigError("draft_gate.initial_accepted", f"must be >= 0, got {self.initial_accepted}")
         if self.max_backoff < 1:
             raise ConfigError("draft_gate.max_backoff", f"must be >= 1, got {self.max_backoff}")
+        if self.pooled_backoff < 1:
+            raise ConfigError("draft_gate.pooled_backoff", f"must be >= 1, got {self.pooled_backoff}")
 
 
 @dataclass
@@ -107,8 +113,17 @@ class DraftGate:
             self._at[rows] = self._by_rows(rows)
         return self._at[rows]
 
-    def new_state(self) -> GateState:
-        return GateState(self.config.initial_accepted)
+    def new_state(self, accepted: float | None = None) -> GateState:
+        """A new request's record. ``accepted``: what the server's earlier requests' drafts accepted (greedy rows;
+        None: the configured optimistic start). Below break-even the request starts backed off, probing every
+        ``pooled_backoff`` rounds until a probe pays: a head that does not pay on this traffic costs a new request
+        a probe now and then, not its first drafted rounds."""
+        if accepted is None:
+            return GateState(self.config.initial_accepted)
+        if accepted >= self.break_even:
+            return GateState(accepted)
+        longest = self.config.pooled_backoff
+        return GateState(accepted, wait=longest, backoff=longest, period=longest)
 
     def wants_draft(self, state: GateState, rows: int = 1, clock: int | None = None) -> bool:
         """Whether the request drafts this round (call once per round), in a round of ``rows`` requests;
@@ -131,4 +146,25 @@ class DraftGate:
             state.backoff, state.wait, state.period = 1, 0, 1
         else:
             state.wait = state.period = state.backoff
-            state.backoff = min(2 * state.backoff, self.config.max_backoff)
+            state.backoff = min(2 * state.backoff, max(self.config.max_backoff, state.backoff))  # pooled: stays
+
+
+class PooledAcceptance:
+    """The draft tokens accepted per drafted round, pooled over a server's greedy requests (a slow moving
+    average, known after ``min_rounds`` rounds): what a new greedy request's gate starts from
+    (:meth:`DraftGate.new_state`), so that on traffic where the head does not pay each new request does not first
+    draft its way down from the optimistic start. Greedy rows only: a greedy row's tokens are the target's argmax
+    whatever it drafts, while a sampled row's draws must not depend on other requests."""
+
+    def __init__(self, smoothing: float = 0.05, min_rounds: int = 16):
+        self.smoothing, self.min_rounds = smoothing, min_rounds
+        self.rounds, self._average = 0, 0.0
+
+    def observe(self, accepted: int) -> None:
+        self.rounds += 1
+        weight = max(self.smoothing, 1.0 / self.rounds)  # a plain mean over the first rounds
+        self._average += weight * (accepted - self._average)
+
+    @property
+    def value(self) -> float | None:
+        return self._average if self.rounds >= self.min_rounds else None

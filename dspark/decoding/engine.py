@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import ConfigError, EngineConfig, SamplingParams
-from dspark.decoding.draft_gate import DraftGate
+from dspark.decoding.draft_gate import DraftGate, PooledAcceptance
 from dspark.decoding.drafter import Drafter
 from dspark.decoding.metrics import SpecMetrics
 from dspark.decoding.request import Request, RequestOutput, Status
@@ -122,6 +122,7 @@ class Engine:
             self.profile = self.measure_profile()
         self.gate = (DraftGate.from_profile(self.profile, self.block_size)
                      if self.drafter is not None and config.draft_gate else None)
+        self.head_pool = PooledAcceptance()  # greedy requests' drafted rounds: where a new one's gate starts
 
     # ------------------------------------------------------------------ requests
     @staticmethod
@@ -284,7 +285,8 @@ class Engine:
             request.speculative = speculative
             if speculative:
                 self.drafter.start(request)
-                request.gate = self.gate.new_state() if self.gate is not None else None
+                pooled = self.head_pool.value if request.params.greedy else None
+                request.gate = self.gate.new_state(pooled) if self.gate is not None else None
             request.status = Status.RUNNING
             self.running.append(request)
             prefill.append(request)
@@ -378,6 +380,8 @@ class Engine:
             if has_block[b] and request.gate is not None:
                 batch = DraftGate.batch_of(len(round_.requests), request.params.greedy)
                 self.gate.record(request.gate, accepted, batch)
+                if request.params.greedy:
+                    self.head_pool.observe(accepted)
             request.metrics.record_round(drafted, lengths[b], accepted)
             self.metrics.record_round(drafted, lengths[b], accepted)
             self._append(request, new)

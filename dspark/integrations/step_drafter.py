@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.config import GREEDY_BELOW
-from dspark.decoding.draft_gate import DraftGate, GateState
+from dspark.decoding.draft_gate import DraftGate, GateState, PooledAcceptance
 from dspark.decoding.drafter import DrafterUnavailable, DraftInputs
-from dspark.decoding.lookup import LookupRecord, PromptLookup
+from dspark.decoding.lookup import LookupRecord, LookupStats, PromptLookup
 from dspark.decoding.sampling import SamplingTensors
 from dspark.decoding.scheduler import StepCostProfile, schedule_full, schedule_prefix
 
@@ -188,6 +188,7 @@ class _Sequence:
         self.broken = False  # out of step with the host: decodes plainly until it finishes
         self.lookup = PromptLookup(prompt) if prompt is not None else None  # its tokens (lookup drafting)
         self.lookup_record = LookupRecord()  # its verified lookup drafts
+        self.lookup_match = 0  # the n-gram length its lookup draft in verification matched
         self.head_accepted = HEAD_PRIOR  # its head drafts' accepted tokens, moving average (without the gate)
         self.source: str | None = None  # the source of the draft it has in verification
 
@@ -245,6 +246,8 @@ class StepDrafter:
         self._gate_profile: StepCostProfile | None = None
         self.seeds = torch.Generator().manual_seed(seed)  # seeds of requests that bring none
         self.sequences: dict[str, _Sequence] = {}
+        self.lookup_stats = LookupStats()  # every request's verified lookup drafts, by match length
+        self.head_pool = PooledAcceptance()  # greedy requests' verified head drafts: where a new one's gate starts
         self.stats = StepDrafterStats()
         self._last_call: float | None = None
         self._handles: dict[str, int] = {}  # host request id -> the drafter's integer sequence id
@@ -367,10 +370,10 @@ class StepDrafter:
                     self.stats.drafter_fallbacks += 1
                 continue
             if seq.gate is None and self.gate is not None:
-                seq.gate = self.gate.new_state()
+                seq.gate = self.gate.new_state(self.head_pool.value if rows.params[i].greedy else None)
             batch = DraftGate.batch_of(decoding, rows.params[i].greedy)
             if rows.num_drafted[i] and committed:
-                self._record(seq, rows.num_drafted[i], len(committed) - 1, batch)
+                self._record(seq, rows.num_drafted[i], len(committed) - 1, batch, rows.params[i].greedy)
             if committed and seq.lookup is not None:
                 seq.lookup.extend(committed)
             kept = rows.num_scheduled[i] if not committed else rows.num_scheduled[i] - rows.num_drafted[i] + \
@@ -527,14 +530,17 @@ class StepDrafter:
         ``d`` from the measured cost table — and at least plain decoding's ``1 / t(1)`` (a lookup below break-even
         is no better than the head the draft gate would skip: the head's turn then, which the gate decides). Before
         the table exists, and for sampled rows, whose draws must not depend on the server's timings: lookup when
-        ``E >= E_head``. Both estimates come from the request's own verified drafts and fixed priors, never from
-        other requests."""
+        ``E >= E_head``. ``E`` comes from every request's verified lookup drafts of the same match length
+        (``LookupStats``); for a seeded sampled row (``RowParams.pinned``), whose draws must not depend on other
+        traffic, from its own drafts and the prior only, as ``E_head``."""
         if self.sources == "head" or seq.lookup is None or k <= 0:
             return None
         draft = seq.lookup.propose(k)
         if not draft.tokens:
             return None
-        survival = seq.lookup_record.survival(len(draft.tokens))
+        record = seq.lookup_record if params.pinned else self.lookup_stats.of(draft.match, params.greedy)
+        survival = record.survival(len(draft.tokens))
+        seq.lookup_match = draft.match
         conditionals = [survival[0]] + [b / max(a, 1e-12) for a, b in zip(survival, survival[1:])]
         if self.sources == "lookup":
             return draft.tokens, conditionals
@@ -558,15 +564,18 @@ class StepDrafter:
             flight.lookup_conf[i] = conditionals
             flight.lookup_budget[i] = min(len(draft), rows.params[i].max_total_tokens - seq.context - 1)
 
-    def _record(self, seq: _Sequence, drafted: int, accepted: int, batch: int) -> None:
+    def _record(self, seq: _Sequence, drafted: int, accepted: int, batch: int, greedy: bool) -> None:
         """A draft of the request was verified: ``accepted`` of its ``drafted`` tokens kept."""
         source = seq.source or "head"
         self.stats.sources[source].record(drafted, accepted)
         if source == "lookup":
             seq.lookup_record.record(drafted, accepted)
+            self.lookup_stats.record(seq.lookup_match, greedy, drafted, accepted)
             return
         if seq.gate is not None:
             self.gate.record(seq.gate, accepted, batch)
+        if greedy:
+            self.head_pool.observe(accepted)
         seq.head_accepted = (1 - HEAD_SMOOTHING) * seq.head_accepted + HEAD_SMOOTHING * accepted
 
     def _refresh_gate(self) -> None:

