@@ -39,8 +39,10 @@ serve: prepare
 ARCTIC := build/arctic
 suffix: $(STAMP)
 	rm -rf $(ARCTIC) && mkdir -p $(ARCTIC)
-	$(BIN)/pip download --quiet --no-deps --no-binary :all: arctic-inference==0.3.0 -d $(ARCTIC)
 	$(BIN)/pip install --quiet --target $(ARCTIC)/tools nanobind==2.9.2 protobuf==5.29.6 grpcio-tools setuptools wheel
+	# the sdist alone (its metadata prepared with those tools: an isolated build would build them all from source)
+	PYTHONPATH=$(CURDIR)/$(ARCTIC)/tools $(BIN)/pip download --quiet --no-deps --no-build-isolation \
+		--no-binary arctic-inference arctic-inference==0.3.0 -d $(ARCTIC)
 	tar xzf $(ARCTIC)/arctic_inference-0.3.0.tar.gz -C $(ARCTIC)
 	cd $(ARCTIC)/arctic_inference-0.3.0 && PYTHONPATH=$(CURDIR)/$(ARCTIC)/tools $(CURDIR)/$(BIN)/pip wheel --quiet \
 		--no-build-isolation --no-deps -w $(CURDIR)/$(ARCTIC)/wheel .

@@ -172,8 +172,8 @@ def test_the_vllm_replicas_drafter_actor_runs_on_another_node_and_replies_as_pla
         engine={"backend": "vllm", "vllm_speculation": "dspark_plugin", "vllm_drafter": "actor", "max_num_seqs": 8,
                 "scheduler": "full", "draft_gate": False, "draft_sources": "head"},
         serving={"num_replicas": 1, "load_aware_speculation": False},
-        runtime={"replica_resources": {"dspark_replica": 1}, "drafter_resources": {"dspark_drafter": 1},
-                 "drafter_threads": 1})
+        runtime={"placement_strategy": "PACK", "replica_resources": {"dspark_replica": 1},
+                 "drafter_resources": {"dspark_drafter": 1}, "drafter_threads": 1})
     run.command("deployed", cmd="deploy", config=str(config), timeout_s=600)
     where = next(iter(replica_healths(run.http, 1).values()))["nodes"]
     assert where["replica"] in (run.nodes["a"], run.nodes["b"]) and where["drafter"] == run.nodes["c"], where
