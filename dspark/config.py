@@ -419,6 +419,7 @@ class EngineConfig:
     dtype: str = "float32"
     profile_max_tokens: int = 64
     draft_gate: bool = False  # skip drafting for a request while its recent drafts do not pay (draft_gate.py)
+    draft_sources: Literal["head", "lookup", "hybrid"] = "head"  # where drafts come from (decoding/sources.py)
 
     def __post_init__(self) -> None:
         if self.verification not in ("token", "block"):
@@ -433,6 +434,8 @@ class EngineConfig:
             raise ConfigError("kv_cache_tokens", "must hold at least one KV block")
         if self.block_size is not None and self.block_size < 1:
             raise ConfigError("block_size", "must be >= 1")
+        if self.draft_sources not in ("head", "lookup", "hybrid"):
+            raise ConfigError("draft_sources", f"must be 'head', 'lookup' or 'hybrid', got {self.draft_sources!r}")
         if self.draft_top_k < 0:
             raise ConfigError("draft_top_k", "must be >= 0 (0: full vocabulary)")
         if self.dtype not in ("float32", "bfloat16", "float16", "float64"):

@@ -141,18 +141,17 @@ class EngineSpec(_Strict):
                            "rounds (lossless: the choice depends only on rounds already verified).")
 
     draft_sources: Literal["head", "lookup", "hybrid"] = Field(
-        "head", description="Where our DSpark proposer's drafts come from (vllm backend, vllm_speculation "
-                            "'dspark_plugin'; the native engine drafts with the head whatever this says, for now): "
-                            "'head' the DSpark head; 'lookup' "
-                            "prompt lookup (the continuation of the longest recent n-gram match, 2-5 tokens, in "
-                            "the request's prompt and output; no draft pass); 'hybrid' per request and step the "
+        "head", description="Where drafts come from (the native engine, and our proposer in vLLM: vllm_speculation "
+                            "'dspark_plugin'): 'head' the DSpark head; 'lookup' prompt lookup (the continuation "
+                            "of the earliest occurrence of the longest 2-5-token n-gram ending at the request's "
+                            "last token, in its prompt and output; no draft pass); 'hybrid' per request and step the "
                             "source with more expected accepted tokens per second of step (the head's measured "
                             "acceptance against lookup's by position), the head's draft pass skipped when every "
                             "row takes lookup. Verification is unchanged: outputs stay exactly the target's.")
 
     def to_core(self, dtype: str) -> EngineConfig:
         vllm_only = {"backend", "vllm_enforce_eager", "vllm_speculation", "vllm_drafter", "vllm_draft_overlap",
-                     "vllm_exact", "draft_sources"}
+                     "vllm_exact"}
         return EngineConfig(dtype=dtype, **self.model_dump(exclude=vllm_only))
 
 

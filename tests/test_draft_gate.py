@@ -117,32 +117,31 @@ def test_the_hybrid_takes_lookup_only_where_it_beats_both_the_head_and_plain_dec
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6]  # "5 6" recurs: a 2-token match, a 7-token draft
 
     def sequence() -> _Sequence:
-        seq = _Sequence(torch.Generator(), prompt=prompt)
-        seq.head_accepted = 0.2  # a head that accepts little
+        seq = _Sequence(torch.Generator(), drafter.choice.new_row(prompt))
+        seq.row.head_accepted = 0.2  # a head that accepts little
         return seq
 
     # the prior (survival 0.7, 0.53, 0.42, 0.36, 0.30, 0.26, 0.22): E = 2.79 over 7 tokens; (1 + 2.79) / 45 ms =
     # 84 tok/s against plain 100 tok/s: lookup loses to plain decoding, though it beats the head (1.2 / 49 ms)
     assert drafter._choose(sequence(), 7, params) is None
     for _ in range(6):  # other requests' 2-token matches kept every token: P(kept) ~0.93 each, E ~5.4: 142 tok/s
-        drafter.lookup_stats.record(2, True, 7, 7)
-    tokens, _ = drafter._choose(sequence(), 7, params)
-    assert tokens == [7, 8, 9, 10, 11, 12, 5]
-    drafter.lookup_stats.record(3, True, 7, 0)  # another match length's record is another estimate
-    drafter.lookup_stats.record(2, False, 7, 0)  # and sampled rows' records another
+        drafter.choice.lookup_stats.record(2, True, 7, 7)
+    assert drafter._choose(sequence(), 7, params).tokens == [7, 8, 9, 10, 11, 12, 5]
+    drafter.choice.lookup_stats.record(3, True, 7, 0)  # another match length's record is another estimate
+    drafter.choice.lookup_stats.record(2, False, 7, 0)  # and sampled rows' records another
     assert drafter._choose(sequence(), 7, params) is not None
     # a seeded sampled row goes by its own drafts and the prior, whatever other requests verified
     pinned = RowParams(temperature=1.0, top_p=1.0, top_k=0, seed=7, max_total_tokens=1000)
     assert pinned.pinned
     seq = sequence()
-    seq.head_accepted = 3.0  # E = 2.79 < 3.0: the head's turn
+    seq.row.head_accepted = 3.0  # E = 2.79 < 3.0: the head's turn
     assert drafter._choose(seq, 7, pinned) is None
     for _ in range(6):
-        seq.lookup_record.record(7, 7)
+        seq.row.record.record(7, 7)
     assert drafter._choose(seq, 7, pinned) is not None
     # before any cost table (and for sampled rows): lookup when its expected accepted tokens reach the head's
     fresh = StepDrafter(None, block_size=7, sources="hybrid")
-    assert fresh._choose(_Sequence(torch.Generator(), prompt=[5, 6, 7, 8, 9, 10, 11, 12, 5, 6]), 7, params) is not None
+    assert fresh._choose(_Sequence(torch.Generator(), fresh.choice.new_row(prompt)), 7, params) is not None
 
 
 def test_a_new_greedy_request_starts_from_what_the_servers_head_accepted():

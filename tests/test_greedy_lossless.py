@@ -222,3 +222,18 @@ def test_reference_layout_heads_are_lossless(tiny_target, tiny_tokenizer, tiny_d
     results = engine.generate(prompts, GREEDY)
     assert [r.token_ids for r in results] == reference
     assert engine.metrics.num_drafts > 0
+
+
+@pytest.mark.parametrize("sources", ["lookup", "hybrid"])
+def test_lookup_and_hybrid_drafts_are_lossless(tiny_target, tiny_tokenizer, tiny_draft_dir, prompts, reference,
+                                               sources):
+    """The native engine drafting by prompt lookup (a one-point draft per matched continuation, no draft pass) or
+    by the hybrid (lookup or the head per request and round, ``engine.draft_sources``): the same greedy tokens."""
+    engine = make_engine(tiny_target, tiny_tokenizer, _drafter(tiny_draft_dir, tiny_target), scheduler="confidence",
+                         profile=GATE_PROFILE, draft_sources=sources)
+    results = engine.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == reference
+    counts = engine.draft_sources
+    assert counts["lookup"]["drafts"] > 0 and counts["lookup"]["accepted_tokens"] > 0, counts
+    assert engine.metrics.lookup_drafts == counts["lookup"]["drafts"]
+    assert (counts["head"]["drafts"] > 0) == (sources == "hybrid"), counts

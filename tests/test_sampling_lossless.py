@@ -31,6 +31,7 @@ from conftest import make_engine
 
 VOCAB, STEPS, N = 6, 3, 6000
 PROMPT = [1, 4, 2, 5]
+REPEATING = [1, 4, 2, 5, 1, 4]  # "1 4" recurs: prompt lookup drafts "2 5 1" for the first tokens
 PARAMS = SamplingParams(max_tokens=STEPS, temperature=1.0, top_p=0.95, ignore_eos=True)
 
 
@@ -50,8 +51,17 @@ def target() -> TargetModel:
 
 @pytest.fixture(scope="module")
 def exact(target) -> torch.Tensor:
+    return enumerated(target, PROMPT)
+
+
+@pytest.fixture(scope="module")
+def exact_repeating(target) -> torch.Tensor:
+    return enumerated(target, REPEATING)
+
+
+def enumerated(target, prompt: list[int]) -> torch.Tensor:
     """P(x1, x2, x3 | prompt) under the processed target distribution, shape [V, V, V]."""
-    seqs = [PROMPT + list(prefix) for prefix in itertools.product(range(VOCAB), repeat=STEPS - 1)]
+    seqs = [prompt + list(prefix) for prefix in itertools.product(range(VOCAB), repeat=STEPS - 1)]
     ids = torch.tensor(seqs)
     cache = PagedKVCache(2, 4096, 16, 2, 8, 8, torch.float64)
     for i in range(len(seqs)):
@@ -69,8 +79,8 @@ def exact(target) -> torch.Tensor:
     return joint
 
 
-def run_engine(target, verification: str, scheduler: str, layout: dict | None = None
-               ) -> tuple[torch.Tensor, engine_module.Engine]:
+def run_engine(target, verification: str, scheduler: str, layout: dict | None = None, prompt: list[int] = PROMPT,
+               sources: str = "head", n: int = N) -> tuple[torch.Tensor, engine_module.Engine]:
     torch.manual_seed(1)
     cfg = tiny_draft_config(target.config, block_size=3, markov_rank=4, layer_ids=(0, 1))
     draft = DSparkDraft(replace(cfg, **(layout or {})))
@@ -86,9 +96,9 @@ def run_engine(target, verification: str, scheduler: str, layout: dict | None = 
     # a cost table that makes verification expensive enough to truncate some blocks and not others
     profile = StepCostProfile((N, 2 * N, 3 * N, 4 * N), (1.0, 1.3, 1.9, 3.0))
     engine = make_engine(target, None, drafter, profile=profile, verification=verification, scheduler=scheduler,
-                         max_num_seqs=N, kv_cache_tokens=200_000)
-    params = [SamplingParams(**{**PARAMS.__dict__, "seed": i}) for i in range(N)]
-    results = engine.generate([PROMPT] * N, params)
+                         max_num_seqs=n, kv_cache_tokens=200_000, draft_sources=sources)
+    params = [SamplingParams(**{**PARAMS.__dict__, "seed": i}) for i in range(n)]
+    results = engine.generate([prompt] * n, params)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     for r in results:
         a, b, c = r.token_ids
@@ -148,3 +158,29 @@ def test_reference_layouts_sample_the_target_distribution(target, exact, layout)
     assert 0.1 < m.num_accepted_tokens / m.num_draft_tokens < 0.9, "need both accepts and rejects"
     assert counts[exact == 0].sum() == 0
     assert chi_square_p(counts, exact) > 1e-3
+
+
+def test_hybrid_drafts_keep_the_target_distribution(target, exact_repeating):
+    """The native engine's hybrid on a prompt where lookup matches: both sources draft in the same rounds (a
+    lookup draft is a one-point distribution, verified by the same rejection sampler) and the output keeps the
+    target's distribution."""
+    counts, engine = run_engine(target, "block", "confidence", prompt=REPEATING, sources="hybrid")
+    sources = engine.draft_sources
+    assert sources["lookup"]["drafts"] > N / 4 and sources["head"]["drafts"] > N / 4, sources
+    assert sources["lookup"]["accepted_tokens"] > 0 and engine.metrics.lookup_drafts == sources["lookup"]["drafts"]
+    assert counts[exact_repeating == 0].sum() == 0
+    assert chi_square_p(counts, exact_repeating) > 1e-3
+
+
+def test_the_test_catches_lookup_drafts_verified_without_their_probability(target, exact_repeating, monkeypatch):
+    """Lookup drafts reported as drawn from the uniform distribution (not the point they are): their tokens are
+    accepted too often, and the test sees it."""
+    proposal = engine_module.Engine._lookup_proposal
+
+    def uniform(self, choices, requests):
+        out = proposal(self, choices, requests)
+        return replace(out, draft_probs=torch.full_like(out.draft_probs, 1.0 / VOCAB))
+
+    monkeypatch.setattr(engine_module.Engine, "_lookup_proposal", uniform)
+    counts, _ = run_engine(target, "block", "confidence", prompt=REPEATING, sources="hybrid", n=N // 2)
+    assert chi_square_p(counts, exact_repeating) < 1e-6

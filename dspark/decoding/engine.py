@@ -12,7 +12,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,7 @@ from dspark.decoding.metrics import SpecMetrics
 from dspark.decoding.request import Request, RequestOutput, Status
 from dspark.decoding.sampling import SamplingTensors
 from dspark.decoding.scheduler import StepCostProfile, schedule_full, schedule_prefix
+from dspark.decoding.sources import DraftSources, LookupChoice
 from dspark.decoding.target_runner import TargetRunner, VerifyBatch, VerifyOutput
 from dspark.model.draft_model import DraftProposal
 from dspark.model.target_model import TargetModel
@@ -58,6 +59,12 @@ class _Draft:
     drafting: list[Request]
     handle: object | None
     start_ns: int
+    lookups: list[tuple[Request, LookupChoice]] = field(default_factory=list)  # rows drafting by prompt lookup
+
+    @property
+    def verifies(self) -> bool:
+        """Something to verify: the head's blocks (asked for), or lookup drafts (no draft pass)."""
+        return self.handle is not None or bool(self.lookups)
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
@@ -72,6 +79,22 @@ def check_request(prompt_ids: list[int], params: SamplingParams, max_model_len: 
         )
     if any(not 0 <= t < vocab_size for t in prompt_ids):
         raise ConfigError("prompt", f"token ids must be in [0, {vocab_size})")
+
+
+def _concat(head: DraftProposal, lookup: DraftProposal) -> DraftProposal:
+    """The head's rows, then lookup's, as one proposal; a side without distributions (its rows greedy) gets zeros
+    where the other has them."""
+    def probs(p: DraftProposal, like: torch.Tensor) -> torch.Tensor:  # [rows, G, V]
+        if p.draft_probs is not None:
+            return p.draft_probs.to_dense().to(like.dtype)
+        return like.new_zeros(len(p.tokens), *like.shape[1:])
+
+    draft_probs = None
+    if head.draft_probs is not None or lookup.draft_probs is not None:
+        like = (head.draft_probs if head.draft_probs is not None else lookup.draft_probs).to_dense()
+        draft_probs = torch.cat([probs(head, like), probs(lookup, like)])
+    return DraftProposal(torch.cat([head.tokens, lookup.tokens.to(head.tokens.dtype)]), draft_probs,
+                         torch.cat([head.confidences.float(), lookup.confidences]))
 
 
 class Engine:
@@ -123,6 +146,8 @@ class Engine:
         self.gate = (DraftGate.from_profile(self.profile, self.block_size)
                      if self.drafter is not None and config.draft_gate else None)
         self.head_pool = PooledAcceptance()  # greedy requests' drafted rounds: where a new one's gate starts
+        # engine.draft_sources: the head, prompt lookup, or per request and round the one expected to pay more
+        self.sources = DraftSources(config.draft_sources, self.block_size)
 
     # ------------------------------------------------------------------ requests
     @staticmethod
@@ -156,6 +181,12 @@ class Engine:
         if request is not None and request.status != Status.FINISHED:
             self._finish(request, "abort")
 
+    @property
+    def draft_sources(self) -> dict[str, dict] | None:
+        """Counters by draft source (head, lookup; ``engine.draft_sources``): drafts, tokens, accepted, per
+        position (None without a drafter)."""
+        return self.sources.as_dict() if self.drafter is not None else None
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -174,13 +205,13 @@ class Engine:
         drafting_on = self.drafter is not None and self.drafter.available
         speculative = [r for r in decode if r.speculative and drafting_on]
         drafts = self._drafts_for(speculative)
-        held = [r for d in drafts if d.handle is None for r in d.requests if r.status == Status.RUNNING]
+        held = [r for d in drafts if not d.verifies for r in d.requests if r.status == Status.RUNNING]
         plain = [r for r in decode if not (r.speculative and drafting_on)] + held
         for group in (prefill, plain):  # prompts in a pass of their own (decode rows are not padded to a prompt);
             if group:                   # plain decoding and rows the gate held back: one pass (features still flow)
                 self._run_round(_Round(group, None, torch.zeros(len(group), dtype=torch.long)))
         for draft in drafts:
-            if draft.handle is not None:
+            if draft.verifies:
                 self._verify_draft(draft)
                 if self.overlap_drafts and self.drafter.available:  # draft the group's next round now
                     self._drafts[draft.group] = self._ask_draft(draft.group, self._members(draft.group))
@@ -205,10 +236,18 @@ class Engine:
         return [d for d in drafts if d.requests]
 
     def _ask_draft(self, group: int, requests: list[Request]) -> _Draft:
-        """Decide who drafts (the gate, once per round) and submit their blocks to the drafter."""
+        """Decide who drafts and from what (prompt lookup or the head: ``DraftSources``; for the head the gate,
+        once per round) and submit the head's blocks to the drafter."""
         requests = [r for r in requests if r.num_cached > 0]  # prefilled: its context features are committed
-        drafting = []
+        drafting, lookups = [], []
         for request in requests:  # greedy rows: the bar of a round of len(requests) decoding together
+            choice = self._lookup_choice(request)
+            self.sources.taken(request.sources, choice)
+            if choice is not None:
+                lookups.append((request, choice))
+                continue
+            if self.sources.sources == "lookup":
+                continue
             batch = DraftGate.batch_of(len(requests), request.params.greedy)
             clock = DraftGate.clock_of(self.num_steps, request.params.greedy)
             if request.gate is None or request.params.pinned or self.gate.wants_draft(request.gate, batch, clock):
@@ -219,16 +258,32 @@ class Engine:
         t0, start_ns = time.perf_counter(), time.time_ns()
         handle = self.drafter.submit(drafting, self._sampling(drafting)) if drafting else None
         self.timings["draft"] += time.perf_counter() - t0
-        return _Draft(group, requests, drafting, handle, start_ns)
+        return _Draft(group, requests, drafting, handle, start_ns, lookups)
+
+    def _lookup_choice(self, request: Request) -> LookupChoice | None:
+        """The request's lookup draft this round, if lookup is its source (``DraftSources.choose``): against its
+        head's expected accepted tokens and, for greedy rows, the profiled costs."""
+        if self.sources.head_only:
+            return None
+        head = request.gate.accepted if request.gate is not None else request.sources.head_accepted
+        profile = self.profile if request.params.greedy else None  # a sampled row's choice: its own record only
+        return self.sources.choose(request.sources, self._max_length(request), request.params.greedy,
+                                   request.params.pinned, head, profile,
+                                   profile.draft_seconds if profile is not None else 0.0)
 
     def _verify_draft(self, draft: _Draft) -> None:
         """Wait for a group's blocks, schedule the verified prefixes, verify and commit (requests that finished
         while their block was drafted drop out; a failed drafter leaves the group to plain decoding)."""
         t0 = time.perf_counter()
-        proposal = self.drafter.result(draft.handle) if self.drafter.available else None  # None: failed
+        proposal = None
+        if draft.handle is not None:
+            proposal = self.drafter.result(draft.handle) if self.drafter.available else None  # None: failed
         t1 = time.perf_counter()
         self.timings["draft"] += t1 - t0  # in-process: ~0 (drafted at submit); remote: the wait
         requests = [r for r in draft.requests if r.status == Status.RUNNING]
+        if draft.handle is None:  # every drafting row took lookup: no draft pass this round
+            self._verify_lookups(draft, requests, t1)
+            return
         if proposal is None:  # the drafter failed: these requests decode without it from now on
             for request in requests:
                 request.speculative = False
@@ -241,12 +296,44 @@ class Engine:
         keep = [i for i, r in enumerate(draft.drafting) if r.status == Status.RUNNING]
         drafting = [draft.drafting[i] for i in keep]
         if not drafting:
+            self._verify_lookups(draft, requests, t1)
+            return
+        proposal = proposal.rows(keep)
+        lookups = [(r, c) for r, c in draft.lookups if r.status == Status.RUNNING]
+        if lookups:  # one verify pass over both sources' rows: the head's, then lookup's
+            proposal = _concat(proposal, self._lookup_proposal([c for _, c in lookups], requests))
+            drafting = drafting + [r for r, _ in lookups]
+        round_ = self._drafted_round(requests, drafting, proposal, {id(r): c for r, c in lookups})
+        self.timings["schedule"] += time.perf_counter() - t1
+        self._run_round(round_)
+
+    def _verify_lookups(self, draft: _Draft, requests: list[Request], t1: float) -> None:
+        """A round with no head blocks: the lookup rows' drafts (if any still run) verified, the rest plainly."""
+        lookups = [(r, c) for r, c in draft.lookups if r.status == Status.RUNNING]
+        if not lookups:
             if requests:
                 self._run_round(_Round(requests, None, torch.zeros(len(requests), dtype=torch.long)))
             return
-        round_ = self._drafted_round(requests, drafting, proposal.rows(keep))
+        proposal = self._lookup_proposal([c for _, c in lookups], requests)
+        round_ = self._drafted_round(requests, [r for r, _ in lookups], proposal, {id(r): c for r, c in lookups})
         self.timings["schedule"] += time.perf_counter() - t1
         self._run_round(round_)
+
+    def _lookup_proposal(self, choices: list[LookupChoice], requests: list[Request]) -> DraftProposal:
+        """Lookup drafts as a proposal: tokens [L, G] (zeros past each draft, never verified: ``_max_lengths``),
+        their conditionals as confidences [L, G], and, when the round verifies sampled rows (``requests``), their
+        distributions: one-point [L, G, V] (a lookup token is accepted with the target's probability of it)."""
+        block = self.block_size
+        tokens = torch.zeros(len(choices), block, dtype=torch.long)  # [L, G]
+        confidences = torch.zeros(len(choices), block)  # [L, G]
+        for b, choice in enumerate(choices):
+            tokens[b, : len(choice.tokens)] = torch.tensor(choice.tokens)
+            confidences[b, : len(choice.conditionals)] = torch.tensor(choice.conditionals)
+        draft_probs = None
+        if not all(r.params.greedy for r in requests):
+            draft_probs = torch.zeros(len(choices), block, self.target.config.vocab_size)  # [L, G, V]
+            draft_probs.scatter_(2, tokens[:, :, None], 1.0)  # past a draft: never verified
+        return DraftProposal(tokens, draft_probs, confidences)
 
     def _on_draft(self, draft: _Draft) -> None:
         self._phase("draft", draft.start_ns, draft.drafting)
@@ -287,6 +374,7 @@ class Engine:
                 self.drafter.start(request)
                 pooled = self.head_pool.value if request.params.greedy else None
                 request.gate = self.gate.new_state(pooled) if self.gate is not None else None
+                request.sources = self.sources.new_row(request.prompt_ids)
             request.status = Status.RUNNING
             self.running.append(request)
             prefill.append(request)
@@ -295,9 +383,10 @@ class Engine:
     def _sampling(self, requests: list[Request]) -> SamplingTensors:
         return SamplingTensors.build([r.params for r in requests], [r.generator for r in requests])
 
-    def _drafted_round(self, requests: list[Request], drafting: list[Request], proposal: DraftProposal) -> _Round:
+    def _drafted_round(self, requests: list[Request], drafting: list[Request], proposal: DraftProposal,
+                       lookups: dict[int, LookupChoice] | None = None) -> _Round:
         """One verify pass for ``requests``; those the gate held back ride along with nothing to verify."""
-        lengths = self._schedule_verify(drafting, proposal)
+        lengths = self._schedule_verify(drafting, proposal, lookups)
         if len(drafting) == len(requests):
             return _Round(requests, proposal, lengths)
         chosen = {id(r) for r in drafting}
@@ -307,12 +396,20 @@ class Engine:
         lengths = torch.zeros(len(requests), dtype=lengths.dtype).index_copy_(0, rows, lengths)
         return _Round(requests, widened, lengths, drafted)
 
-    def _max_lengths(self, requests: list[Request]) -> torch.Tensor:
+    def _max_length(self, request: Request) -> int:
         # a round commits at most (verified + 1) tokens: never verify past max_tokens
-        return torch.tensor([max(min(self.block_size, r.remaining - 1), 0) for r in requests])
+        return max(min(self.block_size, request.remaining - 1), 0)
 
-    def _schedule_verify(self, requests: list[Request], proposal: DraftProposal) -> torch.Tensor:
-        caps = self._max_lengths(requests)
+    def _max_lengths(self, requests: list[Request], lookups: dict[int, LookupChoice] | None = None) -> torch.Tensor:
+        """[B] draft tokens each row may verify; a lookup row (``lookups``: by ``id`` of its request) no more
+        than its draft."""
+        lookups = lookups or {}
+        return torch.tensor([min(self._max_length(r), len(lookups[id(r)].tokens)) if id(r) in lookups
+                             else self._max_length(r) for r in requests])
+
+    def _schedule_verify(self, requests: list[Request], proposal: DraftProposal,
+                         lookups: dict[int, LookupChoice] | None = None) -> torch.Tensor:
+        caps = self._max_lengths(requests, lookups)
         full = schedule_full(self.block_size, caps)
         if self.config.scheduler != "confidence":
             return full
@@ -376,14 +473,17 @@ class Engine:
             request.num_cached += kept_rows[b]
             self.allocator.truncate(request.request_id, request.num_cached)
             new = tokens_rows[b][: accepted + 1]
-            drafted = self.block_size if has_block[b] else 0
-            if has_block[b] and request.gate is not None:
+            drafted, source = (self.block_size if has_block[b] else 0), "head"
+            if has_block[b] and request.sources is not None:
+                source = self.sources.record(request.sources, lengths[b], accepted, request.params.greedy)
+                drafted = request.sources.drafted if source == "lookup" else drafted
+            if has_block[b] and request.gate is not None and source == "head":
                 batch = DraftGate.batch_of(len(round_.requests), request.params.greedy)
                 self.gate.record(request.gate, accepted, batch)
                 if request.params.greedy:
                     self.head_pool.observe(accepted)
-            request.metrics.record_round(drafted, lengths[b], accepted)
-            self.metrics.record_round(drafted, lengths[b], accepted)
+            request.metrics.record_round(drafted, lengths[b], accepted, source)
+            self.metrics.record_round(drafted, lengths[b], accepted, source)
             self._append(request, new)
 
     def _append(self, request: Request, new: list[int]) -> None:
@@ -398,6 +498,8 @@ class Engine:
             reason = reason or "length"
         request.tokens.extend(new)
         request.new_tokens.extend(new)
+        if request.sources is not None:
+            self.sources.extend(request.sources, new)
         request.metrics.completion_tokens += len(new)
         self.metrics.completion_tokens += len(new)
         if request.params.stop and self.tokenizer is not None and reason != "stop":

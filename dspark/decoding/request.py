@@ -11,6 +11,7 @@ import torch
 from dspark.config import SamplingParams
 from dspark.decoding.draft_gate import GateState
 from dspark.decoding.metrics import SpecMetrics
+from dspark.decoding.sources import RowSources
 
 
 class Status(Enum):
@@ -45,6 +46,7 @@ class Request:
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     generator: torch.Generator = field(default_factory=torch.Generator)
     gate: GateState | None = None  # the draft gate's record of this request (None: always drafts)
+    sources: RowSources | None = None  # its part in choosing lookup or the head (speculative requests)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

@@ -23,12 +23,9 @@ import torch
 from dspark.config import GREEDY_BELOW
 from dspark.decoding.draft_gate import DraftGate, GateState, PooledAcceptance
 from dspark.decoding.drafter import DrafterUnavailable, DraftInputs
-from dspark.decoding.lookup import LookupRecord, LookupStats, PromptLookup
 from dspark.decoding.sampling import SamplingTensors
 from dspark.decoding.scheduler import StepCostProfile, schedule_full, schedule_prefix
-
-HEAD_PRIOR = 1.0  # expected accepted head tokens before a request's first verified head draft (the gate's prior)
-HEAD_SMOOTHING = 0.3  # as the gate's moving average
+from dspark.decoding.sources import SOURCES, DraftSources, LookupChoice, RowSources, SourceStats
 
 
 @dataclass(frozen=True)
@@ -74,33 +71,6 @@ class StepDrafts:
     tokens: list[list[int]]  # per row: the draft tokens to verify next step ([] = decode plainly)
     draft_probs: torch.Tensor | None  # [rows, G, V] the distributions they were drawn from (None: all rows greedy)
     confidences: torch.Tensor | None  # [rows, G]
-
-
-SOURCES = ("head", "lookup")  # where a row's draft comes from: the DSpark head, or prompt lookup
-
-
-@dataclass
-class SourceStats:
-    """One draft source's counters (``StepDrafterStats.sources``)."""
-
-    drafts: int = 0  # request-steps that verified a draft of this source
-    drafted_tokens: int = 0  # its tokens sent to verification
-    accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [j] drafts that kept at least j + 1 tokens
-
-    def record(self, drafted: int, accepted: int) -> None:
-        self.drafts += 1
-        self.drafted_tokens += drafted
-        self.accepted_tokens += accepted
-        while len(self.accepted_per_pos) < accepted:
-            self.accepted_per_pos.append(0)
-        for j in range(accepted):
-            self.accepted_per_pos[j] += 1
-
-    def as_dict(self) -> dict:
-        return {"drafts": self.drafts, "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
-                "accepted_per_pos": list(self.accepted_per_pos),
-                "acceptance_length": 1 + self.accepted_tokens / self.drafts if self.drafts else None}
 
 
 @dataclass
@@ -181,16 +151,12 @@ class MeasuredCosts:
 
 
 class _Sequence:
-    def __init__(self, generator: torch.Generator, prompt: list[int] | None = None):
+    def __init__(self, generator: torch.Generator, row: RowSources):
         self.context = 0  # committed positions whose features the drafter holds (or has pending)
         self.generator = generator
         self.gate: GateState | None = None  # the draft gate's record, from the first step the gate exists
         self.broken = False  # out of step with the host: decodes plainly until it finishes
-        self.lookup = PromptLookup(prompt) if prompt is not None else None  # its tokens (lookup drafting)
-        self.lookup_record = LookupRecord()  # its verified lookup drafts
-        self.lookup_match = 0  # the n-gram length its lookup draft in verification matched
-        self.head_accepted = HEAD_PRIOR  # its head drafts' accepted tokens, moving average (without the gate)
-        self.source: str | None = None  # the source of the draft it has in verification
+        self.row = row  # its part of the source choice (dspark.decoding.sources)
 
 
 @dataclass
@@ -235,8 +201,7 @@ class StepDrafter:
         'lookup' (prompt lookup only) or 'hybrid' (per request and step, the source with more expected accepted
         tokens per unit of step cost: :meth:`_choose`); ``vocab_size``: the target's, for lookup drafts' one-point
         distributions when no head draft gives the shape."""
-        if sources not in ("head", "lookup", "hybrid"):
-            raise ValueError(f"sources must be 'head', 'lookup' or 'hybrid', got {sources!r}")
+        self.choice = DraftSources(sources, block_size)
         self.sources, self.vocab_size = sources, vocab_size
         self.drafter, self.block_size = drafter, block_size
         self.scheduler, self.use_gate = scheduler, draft_gate
@@ -246,9 +211,8 @@ class StepDrafter:
         self._gate_profile: StepCostProfile | None = None
         self.seeds = torch.Generator().manual_seed(seed)  # seeds of requests that bring none
         self.sequences: dict[str, _Sequence] = {}
-        self.lookup_stats = LookupStats()  # every request's verified lookup drafts, by match length
         self.head_pool = PooledAcceptance()  # greedy requests' verified head drafts: where a new one's gate starts
-        self.stats = StepDrafterStats()
+        self.stats = StepDrafterStats(sources=self.choice.stats)
         self._last_call: float | None = None
         self._handles: dict[str, int] = {}  # host request id -> the drafter's integer sequence id
         self._lost: set[str] = set()  # requests whose context a failed drafter took with it (decode plainly)
@@ -289,7 +253,7 @@ class StepDrafter:
         self.drafter.start_sequence(handle, params.max_total_tokens)
         self._handles[rid] = handle
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.seeds))
-        seq = _Sequence(torch.Generator().manual_seed(seed), prompt if self.sources != "head" else None)
+        seq = _Sequence(torch.Generator().manual_seed(seed), self.choice.new_row(prompt))
         self.sequences[rid] = seq  # its gate record starts once the gate exists (see propose)
         return seq
 
@@ -337,7 +301,8 @@ class StepDrafter:
             raise RuntimeError("StepDrafter.collect: no step submitted")
         drafts = pending if isinstance(pending, StepDrafts) else self._finish(pending)
         self._sent = {rid: len(t) for rid, t in zip(self._row_ids, drafts.tokens) if t}
-        self._sent_sources = {rid: getattr(self.sequences.get(rid), "source", None) or "head" for rid in self._sent}
+        self._sent_sources = {rid: self.sequences[rid].row.source if rid in self.sequences else "head"
+                              for rid in self._sent}
         return drafts
 
     def _begin(self, rows: StepRows) -> _InFlight | StepDrafts:
@@ -351,7 +316,7 @@ class StepDrafter:
             self._release(rid)
             self._lost.discard(rid)
         drafting: list[int] = []  # row indices that draft this step with the head
-        lookups: dict[int, tuple[list[int], list[float]]] = {}  # row index -> lookup draft, its conditionals
+        lookups: dict[int, LookupChoice] = {}  # row index -> its lookup draft
         anchors, positions = [], []
         offsets = [0]
         for n in rows.num_scheduled:
@@ -374,8 +339,8 @@ class StepDrafter:
             batch = DraftGate.batch_of(decoding, rows.params[i].greedy)
             if rows.num_drafted[i] and committed:
                 self._record(seq, rows.num_drafted[i], len(committed) - 1, batch, rows.params[i].greedy)
-            if committed and seq.lookup is not None:
-                seq.lookup.extend(committed)
+            if committed:
+                self.choice.extend(seq.row, committed)
             kept = rows.num_scheduled[i] if not committed else rows.num_scheduled[i] - rows.num_drafted[i] + \
                 len(committed) - 1  # the row's last input token plus its accepted drafts (all of a prompt chunk)
             commit_ids.append(self._handles[rid])
@@ -420,10 +385,10 @@ class StepDrafter:
         start = time.perf_counter()
         params = [rows.params[i] for i in drafting]
         every_greedy = all(rows.params[i].greedy for i in [*drafting, *lookups])
-        for i in lookups:
-            self.sequences[rows.request_ids[i]].source = "lookup"
+        for i, choice in lookups.items():
+            self.choice.taken(self.sequences[rows.request_ids[i]].row, choice)
         for i in drafting:
-            self.sequences[rows.request_ids[i]].source = "head"
+            self.choice.taken(self.sequences[rows.request_ids[i]].row, None)
         if not drafting:  # every drafting row took lookup: no draft pass this step
             self.stats.head_passes_skipped += 1
             flight = _InFlight(len(rows.request_ids), [], [], [], every_greedy, start, time.perf_counter())
@@ -523,60 +488,30 @@ class StepDrafter:
         return StepDrafts(tokens, probs, confidences)
 
     # ------------------------------------------------------------------------------------------------ sources
-    def _choose(self, seq: _Sequence, k: int, params: RowParams) -> tuple[list[int], list[float]] | None:
+    def _choose(self, seq: _Sequence, k: int, params: RowParams) -> LookupChoice | None:
         """The request's lookup draft if lookup is this step's source for it, else None (the head's turn, or
-        nothing). Hybrid: lookup when its expected accepted tokens per second of step are at least the head's —
-        ``(1 + E) / t(1 + k)`` for lookup (no draft pass) against ``(1 + E_head) / (t(1 + G) + d(1))``, ``t`` and
-        ``d`` from the measured cost table — and at least plain decoding's ``1 / t(1)`` (a lookup below break-even
-        is no better than the head the draft gate would skip: the head's turn then, which the gate decides). Before
-        the table exists, and for sampled rows, whose draws must not depend on the server's timings: lookup when
-        ``E >= E_head``. ``E`` comes from every request's verified lookup drafts of the same match length
-        (``LookupStats``); for a seeded sampled row (``RowParams.pinned``), whose draws must not depend on other
-        traffic, from its own drafts and the prior only, as ``E_head``."""
-        if self.sources == "head" or seq.lookup is None or k <= 0:
-            return None
-        draft = seq.lookup.propose(k)
-        if not draft.tokens:
-            return None
-        record = seq.lookup_record if params.pinned else self.lookup_stats.of(draft.match, params.greedy)
-        survival = record.survival(len(draft.tokens))
-        seq.lookup_match = draft.match
-        conditionals = [survival[0]] + [b / max(a, 1e-12) for a, b in zip(survival, survival[1:])]
-        if self.sources == "lookup":
-            return draft.tokens, conditionals
-        expected = sum(survival)
-        head = seq.gate.accepted if seq.gate is not None else seq.head_accepted
+        nothing): :meth:`DraftSources.choose`, against the head's expected accepted tokens (the gate's record,
+        else the request's own average) and, for greedy rows, the measured cost table and draft pass."""
+        head = seq.gate.accepted if seq.gate is not None else seq.row.head_accepted
         profile = self.costs.profile() if params.greedy else None  # a sampled row's choice: its own record only
-        if profile is None:
-            take = expected >= head
-        else:
-            t = profile.round_seconds(torch.tensor([1, 1 + len(draft.tokens), 1 + self.block_size])) \
-                - profile.draft_seconds
-            draft_pass = self.costs.draft_seconds_at(1)
-            rate = (1 + expected) / float(t[1])  # tokens per second of step with the lookup draft
-            take = rate >= (1 + head) / (float(t[2]) + draft_pass) and rate >= 1 / float(t[0])
-        return (draft.tokens, conditionals) if take else None
+        return self.choice.choose(seq.row, k, params.greedy, params.pinned, head, profile,
+                                  self.costs.draft_seconds_at(1) if profile is not None else 0.0)
 
-    def _add_lookups(self, flight: _InFlight, lookups: dict, rows: StepRows) -> None:
-        for i, (draft, conditionals) in lookups.items():
+    def _add_lookups(self, flight: _InFlight, lookups: dict[int, LookupChoice], rows: StepRows) -> None:
+        for i, choice in lookups.items():
             seq = self.sequences[rows.request_ids[i]]
-            flight.lookup[i] = draft
-            flight.lookup_conf[i] = conditionals
-            flight.lookup_budget[i] = min(len(draft), rows.params[i].max_total_tokens - seq.context - 1)
+            flight.lookup[i] = choice.tokens
+            flight.lookup_conf[i] = choice.conditionals
+            flight.lookup_budget[i] = min(len(choice.tokens), rows.params[i].max_total_tokens - seq.context - 1)
 
     def _record(self, seq: _Sequence, drafted: int, accepted: int, batch: int, greedy: bool) -> None:
         """A draft of the request was verified: ``accepted`` of its ``drafted`` tokens kept."""
-        source = seq.source or "head"
-        self.stats.sources[source].record(drafted, accepted)
-        if source == "lookup":
-            seq.lookup_record.record(drafted, accepted)
-            self.lookup_stats.record(seq.lookup_match, greedy, drafted, accepted)
+        if self.choice.record(seq.row, drafted, accepted, greedy) == "lookup":
             return
         if seq.gate is not None:
             self.gate.record(seq.gate, accepted, batch)
         if greedy:
             self.head_pool.observe(accepted)
-        seq.head_accepted = (1 - HEAD_SMOOTHING) * seq.head_accepted + HEAD_SMOOTHING * accepted
 
     def _refresh_gate(self) -> None:
         """The draft gate's break-even from the cost table and the draft pass by rows (rebuilt as they fill in;
