@@ -224,15 +224,24 @@ def test_reference_layout_heads_are_lossless(tiny_target, tiny_tokenizer, tiny_d
     assert engine.metrics.num_drafts > 0
 
 
+@pytest.fixture(scope="module")
+def echoing(tiny_target, tiny_tokenizer, prompts, reference) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts that restate themselves (a prompt, 24 tokens of its greedy continuation, its last 16 tokens again:
+    prompt lookup finds the continuation) and their plain greedy outputs."""
+    echo = [p + ref[:24] + p[-16:] for p, ref in zip(prompts[:12], reference)]
+    plain = make_engine(tiny_target, tiny_tokenizer, speculate=False).generate(echo, GREEDY)
+    return echo, [r.token_ids for r in plain]
+
+
 @pytest.mark.parametrize("sources", ["lookup", "hybrid"])
-def test_lookup_and_hybrid_drafts_are_lossless(tiny_target, tiny_tokenizer, tiny_draft_dir, prompts, reference,
-                                               sources):
+def test_lookup_and_hybrid_drafts_are_lossless(tiny_target, tiny_tokenizer, tiny_draft_dir, echoing, sources):
     """The native engine drafting by prompt lookup (a one-point draft per matched continuation, no draft pass) or
     by the hybrid (lookup or the head per request and round, ``engine.draft_sources``): the same greedy tokens."""
+    echo, expected = echoing
     engine = make_engine(tiny_target, tiny_tokenizer, _drafter(tiny_draft_dir, tiny_target), scheduler="confidence",
                          profile=GATE_PROFILE, draft_sources=sources)
-    results = engine.generate(prompts, GREEDY)
-    assert [r.token_ids for r in results] == reference
+    results = engine.generate(echo, GREEDY)
+    assert [r.token_ids for r in results] == expected
     counts = engine.draft_sources
     assert counts["lookup"]["drafts"] > 0 and counts["lookup"]["accepted_tokens"] > 0, counts
     assert engine.metrics.lookup_drafts == counts["lookup"]["drafts"]

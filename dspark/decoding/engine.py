@@ -387,10 +387,10 @@ class Engine:
                        lookups: dict[int, LookupChoice] | None = None) -> _Round:
         """One verify pass for ``requests``; those the gate held back ride along with nothing to verify."""
         lengths = self._schedule_verify(drafting, proposal, lookups)
-        if len(drafting) == len(requests):
+        if [id(r) for r in drafting] == [id(r) for r in requests]:
             return _Round(requests, proposal, lengths)
-        chosen = {id(r) for r in drafting}
-        rows = torch.tensor([i for i, r in enumerate(requests) if id(r) in chosen])
+        position = {id(r): i for i, r in enumerate(requests)}
+        rows = torch.tensor([position[id(r)] for r in drafting])  # [D] each drafting row's place in the round
         widened = proposal.widen(rows, len(requests))
         drafted = torch.zeros(len(requests), dtype=torch.bool).index_fill_(0, rows, True)
         lengths = torch.zeros(len(requests), dtype=lengths.dtype).index_copy_(0, rows, lengths)
@@ -475,8 +475,10 @@ class Engine:
             new = tokens_rows[b][: accepted + 1]
             drafted, source = (self.block_size if has_block[b] else 0), "head"
             if has_block[b] and request.sources is not None:
-                source = self.sources.record(request.sources, lengths[b], accepted, request.params.greedy)
+                source = request.sources.source or "head"
                 drafted = request.sources.drafted if source == "lookup" else drafted
+                if lengths[b] > 0:  # a draft verified (as our proposer in vLLM counts them)
+                    self.sources.record(request.sources, lengths[b], accepted, request.params.greedy)
             if has_block[b] and request.gate is not None and source == "head":
                 batch = DraftGate.batch_of(len(round_.requests), request.params.greedy)
                 self.gate.record(request.gate, accepted, batch)
