@@ -344,7 +344,9 @@ class ServingLoop:
             (t0, tok0, rounds0, steps0, sec0), (_, tok1, rounds1, steps1, sec1) = window[0], window[-1]
             self._last_tau = (tok1 - tok0) / (rounds1 - rounds0)
             self._last_step = (sec1 - sec0) / max(steps1 - steps0, 1)
-            rate = (tok1 - tok0) / max(now - t0, 1e-3)  # decays while the replica idles
+            # over the whole window even while the replica's history is shorter (its first requests): a rate over
+            # the few seconds since the first step would read a warm-up request as a burst of demand
+            rate = (tok1 - tok0) / max(now - t0, self.window_s)  # decays while the replica idles
         if self._last_tau is None:
             return {}
         return {"acceptance_length": self._last_tau, "step_seconds": self._last_step,

@@ -1,23 +1,37 @@
 """Live autoscaling on a local cluster, on the vLLM backend (the engine the embedded default serves on): lower
-acceptance at the same offered load adds a replica; acceptance recovering at that load removes it again.
+acceptance at the same offered load adds a replica; once the demand ends Serve removes it again.
 
 vLLM drafts by prompt lookup here (``engine.vllm_speculation: ngram``): the policy's acceptance length and the
 replica's ``dspark:spec_decode_*`` counters come from vLLM's engine (its per-request outputs and its
-``SpecDecodingStats``). The prompt is a repeating list of colours: greedy, the target continues the cycle and
-prompt lookup drafts it (measured: acceptance 6.7, 430 tokens/s at batch 2); at temperature 1.5 the continuation is
-noise that nothing in the context predicts (no drafts, 114 tokens/s).
+``SpecDecodingStats``). Greedy, the target continues the prompt with a list (``\n- \n- ...``) that prompt lookup
+drafts; at temperature 1.5 the continuation is noise that nothing in the context predicts (no drafts: acceptance 1).
 
-The offered load derives from the replica's capacity as the policy itself models it
-(``deploy.autoscaling.ReplicaStats.capacity``: acceptance length x batch slots / step time), measured on this
-machine by a short greedy run at half the batch (the occupancy the load then keeps). An open-loop client offers 40%
-of it (48 tokens a request): the policy wants ceil(0.4 / 0.8) = 1 replica. At temperature 1.5 the capacity falls
-(to about a third), the offered load exceeds the target utilisation of one replica, and the policy asks for a second
-replica. Back at temperature 0, once the slow requests have drained, one replica suffices again and Serve removes
-the other after ``downscale_delay_s`` (20 s here) of that decision. Two replicas share this node's two cores, so
-together they drain the backlog of the slow phase at about one replica's capacity less the offered load: at 40%
-(not half) that leaves room for a node busier than the measurement was (a run at half with another process
-computing beside it ended with two replicas at 1.25 s a step, 3.4x the step of one, and a backlog that never
-drained).
+The replica decodes one request at a time (``max_num_seqs: 1``) and lookup drafts 4 tokens: on a CPU the
+target's step grows with the tokens it verifies (here about 0.02 s a token beyond 0.08 s), so at a larger batch
+or block speculation adds no capacity at all (measured at 4 rows x 8 tokens: 0.9 s a step, 19.6 tokens/s at
+acceptance 4.4, against 33 without drafts) and acceptance could not move the policy's decision; one row verifying
+5 tokens is where speculation pays on this machine, as it does at any batch on a GPU.
+
+A replica's capacity as the policy models it (``deploy.autoscaling.ReplicaStats.capacity``: acceptance length x
+batch slots / step time) is measured twice after a warm-up (vLLM's first speculative steps compile the lookup
+kernel and would inflate the step time), under a light load (a request every 8 s, so that measuring does not
+itself scale the deployment): at temperature 1.5, then greedy. Measured on a 2-core AMD EPYC (fp32): 18.3
+tokens/s greedy (acceptance 3.4, 0.19 s a step) against 10.8 at temperature 1.5 (acceptance 1, 0.093 s a step: no
+drafts, no verify tokens). An open-loop client then offers 0.8 x the geometric mean of the two (11.2 tokens/s, 48
+tokens a request): greedy, demand / (0.8 x capacity) = 0.77 and the policy wants 1 replica; at temperature 1.5 it
+is 1.30 and the policy wants 2 (each side 1.3x from the threshold; the test requires the two capacities 1.3x apart,
+which leaves each side at least 1.14x). Until 2026-12-07 this test offered a fixed 40% of a greedy capacity
+measured at 2 rows x 8 tokens: that sat on the scale-up threshold itself, and on CI the replica carried the slow
+phase alone.
+
+Scale-down is shown when the demand ends, not at the same load with acceptance recovered: two replicas on this
+node's two cores each step slower than one alone, and the scale-down needs the offered load below
+(1 - hysteresis) x 0.8 = 0.72 of one contended replica's capacity, while the scale-up needed it above 0.8 of the
+uncontended low-acceptance one; on one small node the two conditions barely overlap (measured in the 4-row
+setting: two replicas at 0.92 s a step instead of 0.25, 18.8 tokens/s of capacity each, the node's total about
+the offered load, and the backlog of the slow phase never drained). On a cluster each replica has its own
+devices; the policy's decision for recovered acceptance at the same load is tested on synthetic statistics in
+``tests/test_autoscaling.py``.
 
 Why not the native engine as well (it ran here until 2026-12-03): two replicas on one 2-core node share its cores,
 so each replica's measured step time, and with it the capacity the policy sees, depends on how many replicas there
@@ -31,7 +45,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -42,8 +55,7 @@ from deploy.autoscaling import METRICS, ReplicaStats
 from conftest import HTTP, deploy_app, get_health, holds, wait_for
 
 pytestmark = pytest.mark.slow
-MAX_TOKENS, SLOTS = 48, 4
-LOAD = 0.4  # of one replica's measured capacity
+MAX_TOKENS, SLOTS = 48, 1
 
 
 def replicas() -> int:
@@ -54,7 +66,7 @@ def replicas() -> int:
 
 
 PROMPT = "red green blue yellow purple orange " * 6
-ENGINE = {"backend": "vllm", "vllm_speculation": "ngram", "max_num_seqs": SLOTS}
+ENGINE = {"backend": "vllm", "vllm_speculation": "ngram", "max_num_seqs": SLOTS, "block_size": 4}
 
 
 def complete(temperature: float) -> int | None:
@@ -66,32 +78,24 @@ def complete(temperature: float) -> int | None:
         return None
 
 
-def measured_capacity(seconds: float) -> float:
-    """Tokens/s one replica generates at a full batch, as the policy computes it from the replica's telemetry,
-    after ``seconds`` (longer than its 10 s window) of greedy requests at half the batch."""
-    end = time.monotonic() + seconds
-
-    def closed_loop(_) -> list[int | None]:
-        statuses = []
-        while time.monotonic() < end:
-            statuses.append(complete(0.0))
-        return statuses
-
-    start = time.monotonic()
-    with ThreadPoolExecutor(SLOTS // 2) as pool:
-        statuses = [s for worker in pool.map(closed_loop, range(SLOTS // 2)) for s in worker]
-    assert statuses and set(statuses) == {200}, statuses
+def measured_capacity(seconds: float, temperature: float) -> float:
+    """Tokens/s one replica generates at its full batch (one request), as the policy computes it from the replica's
+    telemetry (acceptance length / step time), after ``seconds`` (longer than its 10 s window) of requests at
+    ``temperature`` arriving every 8 s (at most 60% of the capacity: measuring must not itself scale the deployment)."""
+    load = OpenLoop(rate=1 / 8.0, temperature=temperature)
+    load.stop.wait(seconds)
+    load.stop.set()
+    assert load.errors == 0 and load.refused == 0, (load.errors, load.refused)
     stats = ReplicaStats(*(float(get_health()["autoscaling"][m]) for m in METRICS))
-    print(f"measured {len(statuses) * MAX_TOKENS / (time.monotonic() - start):.1f} tokens/s at half the batch; "
-          f"policy's view {stats}: capacity {stats.capacity:.1f} tokens/s", flush=True)
+    print(f"temperature {temperature}: policy's view {stats}: capacity {stats.capacity:.1f} tokens/s", flush=True)
     return stats.capacity
 
 
 class OpenLoop:
     """Requests at a fixed rate, whatever the server's speed (a queue builds when it is too slow)."""
 
-    def __init__(self, rate: float):
-        self.interval, self.temperature, self.stop = 1.0 / rate, 0.0, threading.Event()
+    def __init__(self, rate: float, temperature: float = 0.0):
+        self.interval, self.temperature, self.stop = 1.0 / rate, temperature, threading.Event()
         self.errors, self.refused = 0, 0  # refused: 429 while the queue is full (correct under overload)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -116,31 +120,35 @@ def scaled_to(count: int, timeout_s: float, what: str) -> None:
     print(f"{what}: {time.monotonic() - start:.0f} s", flush=True)
 
 
-def test_degraded_acceptance_adds_a_replica_and_recovered_acceptance_removes_it(serve_instance, tmp_path):
+def test_degraded_acceptance_adds_a_replica_and_the_replica_goes_when_demand_ends(serve_instance, tmp_path):
     autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_utilisation": 0.8, "hysteresis": 0.1,
                    "drain_horizon_s": 10, "downscale_cycles": 3, "metrics_interval_s": 1, "look_back_period_s": 5,
-                   "upscale_delay_s": 2, "downscale_delay_s": 20}
+                   "upscale_delay_s": 10, "downscale_delay_s": 20}
     with deploy_app(tmp_path,
                     engine=ENGINE,
                     runtime={"shard_cpus": 0.3, "drafter_cpus": 0.3, "shard_threads": 1, "drafter_threads": 1},
                     serving={"load_aware_speculation": False, "router_cpus": 0.3, "max_queued_requests": 64,
                              "autoscaling": autoscaling}):
-        capacity = measured_capacity(12.0)
-        assert replicas() == 1, "half the batch, greedy: one replica"
+        assert {complete(0.0), complete(1.5)} == {200}  # warm-up: vLLM compiles its lookup kernel on first use
+        noisy = measured_capacity(14.0, 1.5)  # past the replica's 10 s window: only this phase's steps
+        greedy = measured_capacity(14.0, 0.0)  # last: the load starts greedy, on a window of greedy steps
+        assert greedy > 1.3 * noisy, ("the premise: lower acceptance lowers a replica's capacity", greedy, noisy)
+        assert replicas() == 1, "measured at a light load: one replica"
         accepted = sum(s.value for f in text_string_to_metric_families(requests.get(f"{HTTP}/metrics", timeout=30).text)
                        for s in f.samples if s.name == "dspark:spec_decode_num_accepted_tokens_total")
         assert accepted > 0, "the replica's drafts were verified (on vLLM: its SpecDecodingStats)"
         assert get_health()["dtypes"]["target"].get("backend") == "vllm"
-        load = OpenLoop(rate=LOAD * capacity / MAX_TOKENS)
-        print(f"offering {LOAD * capacity:.1f} tokens/s", flush=True)
+        # between the two capacities' targets (0.8 of each), as far from either in ratio: at least 1.3 ** 0.5 = 1.14
+        offered = 0.8 * (greedy * noisy) ** 0.5
+        load = OpenLoop(rate=offered / MAX_TOKENS)
+        print(f"offering {offered:.1f} tokens/s", flush=True)
         try:
             holds(replicas, 15, "one replica: at greedy acceptance it carries the load", until=lambda n: n == 1)
             load.temperature = 1.5  # the drafter's proposals are now accepted far less often
             scaled_to(2, 180, "a second replica after acceptance fell")
             holds(replicas, 30, "two replicas while acceptance stays low", until=lambda n: n == 2)
-            load.temperature = 0.0  # acceptance recovers at the same offered load
-            scaled_to(1, 420, "back to one replica after acceptance recovered")
-            holds(replicas, 15, "one replica while acceptance stays high", until=lambda n: n == 1)  # no flapping
+            load.stop.set()  # demand ends (the backlog drains): one replica suffices again
+            scaled_to(1, 300, "back to one replica once the load ended")
         finally:
             load.stop.set()
             errors = load.errors

@@ -145,9 +145,9 @@ def test_the_hybrid_takes_lookup_only_where_it_beats_both_the_head_and_plain_dec
 
 
 def test_a_new_greedy_request_starts_from_what_the_servers_head_accepted():
-    """Once the server's greedy requests have shown a head below break-even, a new greedy request starts backed
-    off (a probe every max_backoff rounds), not drafting from the optimistic start; a sampled request, whose draws
-    must not depend on other traffic, still starts from the configured value."""
+    """Once the server's greedy requests have shown a head below break-even, a new greedy request probes its first
+    round and then backs off (a probe every pooled_backoff rounds), not drafting from the optimistic start; a
+    sampled request, whose draws must not depend on other traffic, still starts from the configured value."""
     from dspark.decoding.draft_gate import PooledAcceptance
 
     gate = DraftGate(1.5, DraftGateConfig(initial_accepted=1.0, max_backoff=4, pooled_backoff=8))
@@ -158,7 +158,9 @@ def test_a_new_greedy_request_starts_from_what_the_servers_head_accepted():
     pool.observe(1)
     assert pool.value == pytest.approx(1 / 16)
     backed_off = gate.new_state(pool.value)
-    assert [gate.wants_draft(backed_off, 1, clock) for clock in range(1, 17)].count(True) == 2  # rounds 8, 16
+    assert gate.wants_draft(backed_off, 1, 1)  # its first round probes its own text
+    gate.record(backed_off, 0)  # below break-even: one round in pooled_backoff from now on
+    assert [gate.wants_draft(backed_off, 1, clock) for clock in range(2, 18)].count(True) == 2  # rounds 8, 16
     gate.record(backed_off, 0)  # a probe below break-even: the next one as far off (not max_backoff's 4)
     assert backed_off.period == 8 and backed_off.backoff == 8
     gate.record(backed_off, 6)  # a probe that pays (average 1.83 >= 1.5): drafting again, every round

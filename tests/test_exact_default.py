@@ -167,8 +167,13 @@ def test_five_ways_one_greedy_answer_equal_to_plain_decoding(app, tmp_path):
     # Speculation really ran on each reply that arrived while the switch was on (a request keeps the mode it arrived
     # in). The switch, as shipped, turns it off for its probe interval once a window of 50 steps measured it as a
     # loss: seen on a CPU without native bf16 (fp32 target and draft: tau 1.26 against a break-even of 1.60 on this
-    # prompt); /health then names the measurement. The first reply always drafts (no window is full yet).
+    # prompt); /health then names the measurement. The first reply always drafts (no window is full yet) and
+    # accepts drafts. A later one drafts at least its first round: where the server's pooled record has the head
+    # below its gate's break-even (a full block's cost; the switch weighs the blocks as scheduled, so the two can
+    # disagree: tau 1.74 against the switch's 1.62 on CI), the request probes its first round and then one round in
+    # 64 (DraftGate.new_state), so it may accept nothing in 48 tokens.
     assert switches[0]["enabled"]
+    assert first_spec["verify_steps"] < len(plain_ids), first_spec
     drafted = [(first_spec["draft_tokens"], first_spec["verify_steps"]),
                (stream_spec["draft_tokens"], stream_spec["verify_steps"]),
                (grpc_spec.draft_tokens, grpc_spec.verify_steps),
@@ -176,6 +181,6 @@ def test_five_ways_one_greedy_answer_equal_to_plain_decoding(app, tmp_path):
                (last_spec["draft_tokens"], last_spec["verify_steps"])]
     for (draft_tokens, verify_steps), switch in zip(drafted, switches):
         if switch["enabled"]:
-            assert draft_tokens > 0 and verify_steps < len(plain_ids), (draft_tokens, verify_steps, switch)
+            assert draft_tokens > 0, (draft_tokens, verify_steps, switch)
         else:
             assert draft_tokens == 0 and switch["decided"] and switch["tau"] < switch["break_even"], switch

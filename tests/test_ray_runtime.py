@@ -107,8 +107,8 @@ def test_draft_gate_runs_on_the_ray_path(ray_cluster, tiny_target_dir, tiny_draf
     for r in results:
         assert r.metrics.num_drafts + r.metrics.draft_skips + 1 <= r.metrics.verify_steps
     # the first requests drafted before being held back; once the server's pooled record shows the head below
-    # break-even, a new greedy request starts backed off (DraftGate.new_state), so later ones may never draft
-    assert results[0].metrics.num_drafts > 0 and sum(r.metrics.num_drafts for r in results) > 0
+    # break-even, a new greedy request drafts its first round and then backs off (DraftGate.new_state)
+    assert results[0].metrics.num_drafts > 0 and all(r.metrics.num_drafts > 0 for r in results)
 
 
 def test_auto_dtype_is_chosen_by_the_router_and_reaches_its_actors(ray_cluster, tiny_target_dir, tiny_draft_dir,

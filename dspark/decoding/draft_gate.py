@@ -115,15 +115,15 @@ class DraftGate:
 
     def new_state(self, accepted: float | None = None) -> GateState:
         """A new request's record. ``accepted``: what the server's earlier requests' drafts accepted (greedy rows;
-        None: the configured optimistic start). Below break-even the request starts backed off, probing every
-        ``pooled_backoff`` rounds until a probe pays: a head that does not pay on this traffic costs a new request
+        None: the configured optimistic start). Below break-even the request drafts its first round (a probe of
+        its own text: the server's average need not hold for it) and then, while its probes stay below
+        break-even, one round in ``pooled_backoff``: a head that does not pay on this traffic costs a new request
         a probe now and then, not its first drafted rounds."""
         if accepted is None:
             return GateState(self.config.initial_accepted)
         if accepted >= self.break_even:
             return GateState(accepted)
-        longest = self.config.pooled_backoff
-        return GateState(accepted, wait=longest, backoff=longest, period=longest)
+        return GateState(accepted, wait=0, backoff=self.config.pooled_backoff, period=1)
 
     def wants_draft(self, state: GateState, rows: int = 1, clock: int | None = None) -> bool:
         """Whether the request drafts this round (call once per round), in a round of ``rows`` requests;
