@@ -22,6 +22,7 @@ import json
 import sys
 from dataclasses import asdict, replace
 
+import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -36,8 +37,12 @@ def break_draft_probs(rows: str = "all") -> None:
 
     def lying(self):
         out = collect(self)
-        if out.draft_probs is None:
+        lookup = [i for i, rid in enumerate(self._row_ids) if self._sent_sources.get(rid) == "lookup"]
+        if out.draft_probs is None and (rows == "all" or not lookup):
             return out
+        if out.draft_probs is None:  # a step of lookup drafts only sends none (one-point distributions): lie densely
+            shape = (len(out.tokens), self.block_size, self.vocab_size)
+            out = replace(out, draft_probs=torch.zeros(shape))
         uniform = out.draft_probs.new_full(out.draft_probs.shape[1:], 1 / out.draft_probs.shape[-1])
         probs = out.draft_probs.clone()
         for i, rid in enumerate(self._row_ids):

@@ -69,7 +69,8 @@ class StepRows:
 @dataclass
 class StepDrafts:
     tokens: list[list[int]]  # per row: the draft tokens to verify next step ([] = decode plainly)
-    draft_probs: torch.Tensor | None  # [rows, G, V] the distributions they were drawn from (None: all rows greedy)
+    draft_probs: torch.Tensor | None  # [rows, G, V] the distributions they were drawn from (None: no sampled row
+    # drafted from the head; vLLM then takes every draft as a one-point distribution, which a lookup draft is)
     confidences: torch.Tensor | None  # [rows, G]
 
 
@@ -458,17 +459,17 @@ class StepDrafter:
         for k, i in enumerate(lookup_rows):
             tokens[i] = flight.lookup[i][: lengths_list[len(drafting) + k]]
         self.stats.scheduled_tokens += sum(lengths_list)
+        # The distributions the drafts were drawn from, [rows, G, V], where a sampled row drafted from the head. A
+        # lookup draft is a one-point distribution at each of its tokens, which is what vLLM's rejection sampler
+        # assumes of every draft when a step sends none (as for its own prompt lookup): a step without a sampled
+        # head draft sends none, and spares the verify a dense [rows, G, V] it would only read back as one-hots.
         probs = None
-        if not flight.greedy:  # the distributions the drafts were drawn from: [rows, G, V]
-            if drafting and proposal.draft_probs is not None:
-                draft_probs = proposal.draft_probs.to_dense()  # [B, G, V]
-                probs = draft_probs.new_zeros(flight.num_rows, *draft_probs.shape[1:])
-                probs.index_copy_(0, torch.tensor(drafting), draft_probs)
-            elif lookup_rows:
-                probs = torch.zeros(flight.num_rows, block, self.vocab_size)
-            for i in lookup_rows:  # a lookup draft is a one-point distribution at each of its tokens
+        if not flight.greedy and drafting and proposal.draft_probs is not None:
+            draft_probs = proposal.draft_probs.to_dense()  # [B, G, V]
+            probs = draft_probs.new_zeros(flight.num_rows, *draft_probs.shape[1:])
+            probs.index_copy_(0, torch.tensor(drafting), draft_probs)
+            for i in lookup_rows:
                 for j, token in enumerate(tokens[i]):
-                    probs[i, j].zero_()
                     probs[i, j, token] = 1.0
         confidences = confidences_all.new_zeros(flight.num_rows, block)
         confidences.index_copy_(0, torch.tensor(drafting + lookup_rows), confidences_all)
