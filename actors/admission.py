@@ -27,6 +27,9 @@ class Overloaded(Exception):
         super().__init__(f"server busy ({reason}), retry after {retry_after_s:.0f} s")
         self.reason, self.retry_after_s = reason, retry_after_s
 
+    def __reduce__(self):  # crosses processes intact (a front door in its own deployment relays it)
+        return Overloaded, (self.reason, self.retry_after_s)
+
 
 @dataclass(frozen=True)
 class AdmissionLimits:

@@ -6,6 +6,7 @@ body within its limits; the request adapter validates and tokenises; ``Generatio
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 import uuid
@@ -54,13 +55,13 @@ def build_http_app(replica: DSparkServer | None) -> FastAPI:
         state = replica.loop.state
         body = {"status": state}
         if request.scope.get("state", {}).get("authorized", False):
-            body.update(replica.health_details())
+            body.update(await _maybe_awaited(replica.health_details()))
         return JSONResponse(body, status_code=200 if state == "ok" else 503)
 
     @api.get("/metrics", summary="Prometheus metrics of this replica (no request content)",
              response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(replica.telemetry.prometheus_text().decode(),
+        return PlainTextResponse((await _maybe_awaited(replica.telemetry.prometheus_text())).decode(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @api.get("/v1/models", summary="The served model")
@@ -78,6 +79,12 @@ def build_http_app(replica: DSparkServer | None) -> FastAPI:
         return await _respond(replica, await replica.adapter.prepare(body))
 
     return api
+
+
+async def _maybe_awaited(value):
+    """A replica serving the API itself answers at once; a front door in its own deployment asks an engine replica
+    (``deploy.ingress``)."""
+    return await value if inspect.isawaitable(value) else value
 
 
 async def _respond(replica: DSparkServer, request: PreparedRequest):

@@ -5,6 +5,9 @@
     serve run deploy.ray_app:build_app config=PATH    # another engine config
     serve run configs/serve.yaml                      # the same app, HTTP :8000 and gRPC :9000
 
+With ``serving.front_door: deployment`` the API is served by a deployment of its own (``deploy.ingress``) in front
+of the engine replicas, which then serve it no more: a lost engine replica's requests are carried over.
+
 Each replica reserves one placement group: bundle 0 for the replica process (the front door and router; with
 the vllm backend on one device also vLLM's engine), then native: one bundle per target shard actor and one for
 the drafter actor; vllm with tensor parallelism: one per vLLM Ray worker (``STRICT_PACK`` by default: one node).
@@ -17,11 +20,13 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray import serve
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
+from deploy.ingress import DSparkFrontDoor
 from deploy.placement import placement_bundles, replica_cpus, replica_gpus
-from deploy.server import DSparkServer
+from deploy.server import DSparkServer, EngineReplica
 from dspark.config import ConfigError
 from dspark.schema import EngineFileConfig, format_validation_error, load_engine_config
 
@@ -111,6 +116,21 @@ def deployment_options(config: EngineFileConfig) -> dict:
     }
 
 
+def front_door_options(config: EngineFileConfig) -> dict:
+    """``serving.front_door: deployment``: the front door's own deployment (a fixed count, anywhere its resources
+    allow: on a cluster, the head node or a CPU node, away from the engine replicas it outlives)."""
+    serving = config.serving
+    return {
+        "name": "DSparkFrontDoor",
+        "num_replicas": serving.front_door_replicas,
+        "ray_actor_options": {"num_cpus": serving.front_door_cpus, "resources": dict(serving.front_door_resources)},
+        "max_ongoing_requests": max_ongoing(serving) * max(serving.num_replicas, serving.autoscaling.max_replicas
+                                                          if serving.autoscaling else 1),
+        "health_check_period_s": 5,
+        "graceful_shutdown_timeout_s": 5,
+    }
+
+
 def build_app(args: dict | None = None) -> Application:
     try:
         parsed = AppArgs.model_validate(dict(args or {}))
@@ -120,6 +140,9 @@ def build_app(args: dict | None = None) -> Application:
     config = load_engine_config(path if path.is_absolute() or path.exists() else REPO / path)
     if parsed.backend:
         config = config.model_copy(update={"engine": config.engine.model_copy(update={"backend": parsed.backend})})
+    if config.serving.front_door == "deployment":  # the engine replicas behind a front door of their own
+        engine = serve.deployment(EngineReplica).options(**deployment_options(config)).bind(config)
+        return DSparkFrontDoor.options(**front_door_options(config)).bind(config, engine)
     return DSparkServer.options(**deployment_options(config)).bind(config)
 
 

@@ -1,6 +1,7 @@
 """One serving replica: its ``Router`` (target shard actors and drafter actor in the replica's placement
-group, bundles 1..n) driven by a ``ServingLoop`` thread, behind the HTTP API (``deploy.openai_api``, built
-per replica) and the gRPC API (``deploy.grpc_api``). This module only composes them; prompts and API
+group, bundles 1..n) driven by a ``ServingLoop`` thread (``EngineReplica``), behind the HTTP API
+(``deploy.openai_api``, built per replica) and the gRPC API (``deploy.grpc_api``) as ``DSparkServer``, or behind a
+front door of its own deployment (``deploy.ingress``). This module only composes them; prompts and API
 keys are never logged.
 """
 
@@ -16,9 +17,10 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.util import get_current_placement_group
 
+from actors.admission import Overloaded
 from actors.collective import node_id
 from actors.router import Router
-from actors.serving_loop import ServingLoop
+from actors.serving_loop import Event, ServingLoop, Unavailable
 from actors.speculation_switch import SpeculationSwitch
 from actors.target_actor import vllm_target
 from actors.telemetry import ReplicaTelemetry
@@ -29,6 +31,7 @@ from deploy.openai_api import build_http_app
 from deploy.placement import drafter_bundle
 from deploy.request_adapter import RequestAdapter
 from dspark.builder import describe
+from dspark.config import SamplingParams
 from dspark.schema import EngineFileConfig
 from dspark.training.prepare import default_target_dir, prepare_target
 
@@ -55,9 +58,11 @@ def http_proxy_host() -> str | None:
         return None
 
 
-@serve.deployment
-@serve.ingress()
-class DSparkServer(GrpcApi):
+class EngineReplica:
+    """One engine replica: its router and serving loop, telemetry and health. Serves the API itself as
+    ``DSparkServer``; behind a front door of its own deployment (``deploy.ingress``) it is deployed as it is, and
+    the front door streams each request's events from :meth:`generate_events`."""
+
     def __init__(self, config: EngineFileConfig):
         self.config, self.spec = config, config.serving
         key = read_api_key(config.serving)
@@ -94,8 +99,28 @@ class DSparkServer(GrpcApi):
                                 cpus=config.runtime.engine_cpus)
         self.created = int(time.time())
 
-    def __serve_build_asgi_app__(self):  # noqa: N802  (Serve builds the HTTP app per replica, after __init__)
-        return build_http_app(self)
+    async def generate_events(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True):
+        """The engine side of a front door in its own deployment (``serving.front_door: deployment``,
+        ``deploy.carry_over``): the request's events, ``accepted`` first, up to ``finished``, streamed over a
+        Serve handle; a refusal or failure is an ``error`` event. A caller that stops listening cancels it."""
+        try:
+            request_id, queue = self.loop.submit(prompt_ids, params, speculate)
+        except (Overloaded, Unavailable) as exc:
+            yield Event("error", [], error=exc)
+            return
+        done = False
+        try:
+            while not done:
+                event: Event = await queue.get()
+                done = event.kind in ("finished", "error")
+                yield event
+        finally:
+            if not done:
+                self.loop.cancel(request_id)
+
+    def metrics_text(self) -> str:
+        """This replica's Prometheus exposition (what GET /metrics answers when it serves the API itself)."""
+        return self.telemetry.prometheus_text().decode()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Read by Serve every ``metrics_interval_s`` for ``deploy.autoscaling.AcceptanceLengthPolicy``."""
@@ -123,3 +148,12 @@ class DSparkServer(GrpcApi):
             loop.close()
             self.adapter.close()
             self.router.shutdown()
+
+
+@serve.deployment
+@serve.ingress()
+class DSparkServer(EngineReplica, GrpcApi):
+    """An engine replica that serves the HTTP and gRPC API itself (``serving.front_door: in_replica``)."""
+
+    def __serve_build_asgi_app__(self):  # noqa: N802  (Serve builds the HTTP app per replica, after __init__)
+        return build_http_app(self)

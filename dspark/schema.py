@@ -155,6 +155,16 @@ class EngineSpec(_Strict):
         return EngineConfig(dtype=dtype, **self.model_dump(exclude=vllm_only))
 
 
+def custom_resources(resources: dict[str, float]) -> dict[str, float]:
+    """Custom Ray resources as a field sets them: named, positive, none of Ray's own."""
+    for name, amount in resources.items():
+        if name in ("CPU", "GPU", "memory", "object_store_memory") or not name:
+            raise ValueError(f"{name!r} is not a custom resource (CPUs and GPUs have fields of their own)")
+        if not amount > 0:
+            raise ValueError(f"resource {name!r}: amount must be > 0, got {amount}")
+    return resources
+
+
 class RuntimeSpec(_Strict):
     """How one serving replica is laid out on Ray: target shards, drafter, router."""
 
@@ -243,12 +253,7 @@ class RuntimeSpec(_Strict):
     @field_validator("replica_resources", "target_resources", "drafter_resources")
     @classmethod
     def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
-        for name, amount in resources.items():
-            if name in ("CPU", "GPU", "memory", "object_store_memory") or not name:
-                raise ValueError(f"{name!r} is not a custom resource (CPUs and GPUs have fields of their own)")
-            if not amount > 0:
-                raise ValueError(f"resource {name!r}: amount must be > 0, got {amount}")
-        return resources
+        return custom_resources(resources)
 
     @model_validator(mode="after")
     def _feature_shard_exists(self) -> RuntimeSpec:
@@ -318,6 +323,29 @@ class ServingSpec(_Strict):
     speculation_probe_interval_s: float = Field(60.0, gt=0, description="How long speculation stays off before "
                                                                         "it is tried again.")
     router_cpus: float = Field(0.5, ge=0, description="CPUs reserved for each replica's router / ingress process.")
+    front_door: Literal["in_replica", "deployment"] = Field(
+        "in_replica", description="Where the HTTP/gRPC front door runs: 'in_replica' (each engine replica serves "
+                                  "the API itself; a replica that dies fails its requests with a retryable 503) or "
+                                  "'deployment' (its own Serve deployment in front of the engine replicas, which "
+                                  "carries a request whose replica was lost over to a live one: it re-submits the "
+                                  "prompt plus every token already sent, so a stream goes on with no gap and no "
+                                  "repeated token).")
+    front_door_replicas: int = Field(1, ge=1, le=64, description="front_door 'deployment': its replicas.")
+    front_door_cpus: float = Field(0.5, ge=0, description="front_door 'deployment': CPUs per front door replica.")
+    front_door_resources: dict[str, float] = Field(
+        default_factory=dict, description="front_door 'deployment': custom Ray resources a front door replica asks "
+                                          "for (e.g. one the head node advertises, to keep it off engine nodes).")
+    carry_over_limit: int = Field(2, ge=0, le=16, description="front_door 'deployment': times a request is carried "
+                                                              "over to another replica after losing its own (then "
+                                                              "it fails with the retryable 503 it gets without).")
+    carry_over_max_tokens: int = Field(8192, ge=1, description="front_door 'deployment': longest prompt + tokens "
+                                                               "sent that is carried over (the token state kept "
+                                                               "per request).")
+
+    @field_validator("front_door_resources")
+    @classmethod
+    def _front_door_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        return custom_resources(resources)
 
     @property
     def prompt_char_limit(self) -> int:

@@ -14,6 +14,7 @@ answer per command read from stdin (one JSON object per line):
   from Ray's placement group table;
 - {"cmd": "deploy", "config": path}: the app deleted and ``config`` deployed in its place on the same cluster;
   {"deployed": true} once it answers;
+- {"cmd": "remove_node", "name": name}: that node's raylet and processes killed; {"removed": name};
 - {"cmd": "stop"}: Serve shut down, the cluster stopped, the script exits.
 """
 
@@ -76,6 +77,9 @@ def main() -> None:
             serve.run(build_app({"config": command["config"]}), name="dspark", route_prefix="/", blocking=False)
             wait_healthy(spec["http_port"])
             say(deployed=True)
+        elif command["cmd"] == "remove_node":  # its raylet and every process on it killed, as a lost host
+            cluster.remove_node(nodes.pop(command["name"]), allow_graceful=False)
+            say(removed=command["name"])
         elif command["cmd"] == "stop":
             break
     serve.shutdown()

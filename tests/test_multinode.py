@@ -32,6 +32,7 @@ from vllm_runs import shared_texts
 pytestmark = pytest.mark.slow
 PROMPTS, MAX_TOKENS = 20, 12
 VLLM_PROMPTS = 4  # of the shared chat prompts, against the session's plain vLLM run of them
+CARRIED_TOKENS = 48  # per stream in the node-removal test: long enough to be mid-stream when the node goes
 NODES = {"a": {"num_cpus": 2, "resources": {"dspark_replica": 1}},
          "b": {"num_cpus": 2, "resources": {"dspark_replica": 1}},
          "c": {"num_cpus": 2, "resources": {"dspark_drafter": 2}}}
@@ -43,8 +44,8 @@ class ClusterRun:
     def __init__(self, tmp: Path, config: Path, nodes: dict):
         self.port = free_port()
         spec = tmp / "cluster.json"
-        spec.write_text(json.dumps({"config": str(config), "http_port": self.port, "head": {"num_cpus": 1},
-                                    "nodes": nodes}))
+        head = {"num_cpus": 1, "resources": {"dspark_front_door": 1}}  # the proxy, and a split front door
+        spec.write_text(json.dumps({"config": str(config), "http_port": self.port, "head": head, "nodes": nodes}))
         self.log = open(tmp / "cluster.log", "w")
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cluster_run.py")), str(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -189,3 +190,76 @@ def test_the_vllm_replicas_drafter_actor_runs_on_another_node_and_replies_as_pla
         assert body["choices"][0]["message"]["content"] == tokenizer.decode(reference, skip_special_tokens=True)
         accepted += body["spec"]["accepted_tokens"]
     assert accepted > 0  # the head drafted from across the node, and its drafts were verified
+
+
+def stream(http: str, body: dict, chunks: list[str]) -> dict:
+    """One streamed completion: its text pieces appended to ``chunks`` as they arrive; the final chunk (finish
+    reason, spec, usage) returned, or the in-band error."""
+    final: dict = {}
+    with requests.post(f"{http}/v1/completions", json={**body, "stream": True}, stream=True, timeout=600) as reply:
+        assert reply.status_code == 200, reply.text
+        for line in reply.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return chunk
+            for choice in chunk.get("choices", []):
+                chunks.append(choice.get("text") or "")
+                if choice.get("finish_reason"):
+                    final = chunk
+    return final
+
+
+def test_a_removed_node_loses_no_request(native_cluster, tmp_path):
+    """The front door in its own deployment on the head node (``serving.front_door: deployment``), one engine
+    replica on a replica node, its drafter on the drafter node. 8 streams (4 greedy, 4 sampled) run on that replica;
+    its node is removed mid-stream (raylet and processes killed, as a lost host). Serve starts a replacement on the
+    other replica node, and the front door carries every request over to it with the prompt plus the tokens already
+    sent: 8/8 streams complete, none with an error; each greedy stream's text equals plain decoding of the same
+    engine and dtype (nothing missing, nothing repeated); each sampled stream has all its tokens; the carry-overs
+    are counted in /metrics. Last in this module: the node stays removed."""
+    run, _ = native_cluster
+    config = write_variant(
+        load_engine_config(REPO / "configs" / "embedded.yaml"), tmp_path / "split.yaml",
+        target={"dtype": "bfloat16"}, draft={"dtype": "bfloat16"},
+        engine={"backend": "native", "max_num_seqs": 8},
+        serving={"num_replicas": 1, "load_aware_speculation": False, "front_door": "deployment",
+                 "front_door_resources": {"dspark_front_door": 1}, "front_door_cpus": 0.5},
+        runtime={"placement_strategy": "PACK", "replica_resources": {"dspark_replica": 1},
+                 "drafter_resources": {"dspark_drafter": 1}, "shard_threads": 1, "drafter_threads": 1})
+    run.command("deployed", cmd="deploy", config=str(config), timeout_s=600)
+    health = next(iter(replica_healths(run.http, 1).values()))
+    where, front = health["nodes"], health["front_door"]
+    assert front["node"] == run.nodes["head"] and where["drafter"] == run.nodes["c"], (front, where)
+    lost = next(name for name in ("a", "b") if run.nodes[name] == where["replica"])
+    served = load_engine_config(config)
+    texts = benchmark_prompts("humaneval", 4)  # code: continued past CARRIED_TOKENS, no early end
+    bodies = [{"model": served.name, "prompt": text, "max_tokens": CARRIED_TOKENS, "temperature": 0}
+              for text in texts]
+    bodies += [{**body, "temperature": 0.8, "top_p": 0.95} for body in bodies]
+    chunks: list[list[str]] = [[] for _ in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        finals = [pool.submit(stream, run.http, body, pieces) for body, pieces in zip(bodies, chunks)]
+        wait_for(lambda: [len(pieces) for pieces in chunks], 300, "every stream's first tokens",
+                 until=lambda seen: all(n >= 2 for n in seen))
+        assert not any(f.done() for f in finals), [(b["temperature"], f.result()) for b, f in zip(bodies, finals)
+                                                   if f.done()]  # every stream still running when the node goes
+        run.command("removed", cmd="remove_node", name=lost, timeout_s=120)
+        finals = [f.result(timeout=600) for f in finals]
+    assert all("error" not in final and final["choices"][0]["finish_reason"] for final in finals), finals
+    plain = build_engine(served, speculate=False, backend="native")
+    expected = plain.generate([encode_prompt(plain.tokenizer, text, chat=False) for text in texts],
+                              SamplingParams(max_tokens=CARRIED_TOKENS, temperature=0.0))
+    for pieces, reference in zip(chunks, expected):
+        assert "".join(pieces) == plain.tokenizer.decode(reference.token_ids, skip_special_tokens=True)
+    for final, pieces in zip(finals[len(texts):], chunks[len(texts):]):
+        usage = final["usage"]
+        assert usage["completion_tokens"] == CARRIED_TOKENS or final["choices"][0]["finish_reason"] == "stop"
+        assert "".join(pieces)
+    after = next(iter(replica_healths(run.http, 1).values()))
+    assert after["nodes"]["replica"] != where["replica"]  # the replacement, on the other replica node
+    metrics = requests.get(f"{run.http}/metrics", timeout=30).text
+    carried = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("dspark:request_carry_overs_total"))
+    assert carried >= len(bodies) and after["front_door"]["carry_overs"] == carried, (carried, after["front_door"])
