@@ -1,17 +1,17 @@
 """Carry-over: the front door's view of the engine replicas when it runs as its own deployment
 (``serving.front_door: deployment``), with what a lost replica's requests need to go on elsewhere.
 
-``RemoteLoop`` offers the request handlers what a replica's ``ServingLoop`` offers them (``submit``,
-``cancel``, ``state``: ``deploy.generation`` drives either), over a streaming Serve handle to the engine
-deployment's ``EngineReplica.generate_events`` (``deploy.server``). It keeps each request's prompt and every token already sent to
-its client. When the replica decoding a request is lost (its node removed, its process killed, its drain's
-grace period run out: the stream breaks with a Ray actor error, or the replica reports itself unavailable), the
-request is re-submitted to a live replica as the prompt plus the tokens sent, for the tokens still owed, and its
-new tokens follow the old ones on the same client stream: no gap, no repeated token, the ``accepted`` event of the
-new attempt swallowed. The output so far is a prefix of the target's own output, so the result is still exactly
-the target's: greedy decoding continues as an undisturbed run would (the target's argmax of the same context),
-and a sampled continuation is drawn from the target's distribution given that prefix (a seeded request's draws
-restart from its seed on the new replica, so its text is not the undisturbed run's).
+``RemoteLoop`` offers the request handlers what a replica's ``ServingLoop`` offers them (``submit``, ``cancel``,
+``state``: ``deploy.generation`` drives either), over a streaming Serve handle to the engine deployment's
+``EngineReplica.generate_events`` (``deploy.server``). It keeps each request's prompt and every token already sent
+to its client. When the replica decoding a request is lost (its node removed, its process killed, its drain's grace
+period run out: the stream breaks with a Ray actor error, or the replica reports itself unavailable), the request is
+re-submitted to a live replica as the prompt plus the tokens sent, for the tokens still owed, and its new tokens
+follow the old ones on the same client stream: no gap, no repeated token, the ``accepted`` event of the new attempt
+swallowed. The output so far is a prefix of the target's own output, so the result is still exactly the target's:
+greedy decoding continues as an undisturbed run would (the target's argmax of the same context), and a sampled
+continuation is drawn from the target's distribution given that prefix (a seeded request's draws restart from its
+seed on the new replica, so its text is not the undisturbed run's).
 
 Bounded: at most ``limit`` carry-overs per request and not past ``max_tokens`` of prompt plus tokens sent (the
 state kept per request); beyond, the request fails with the retryable 503 it would get without a carry-over. A

@@ -15,6 +15,8 @@ answer per command read from stdin (one JSON object per line):
 - {"cmd": "deploy", "config": path}: the app deleted and ``config`` deployed in its place on the same cluster;
   {"deployed": true} once it answers;
 - {"cmd": "remove_node", "name": name}: that node's raylet and processes killed; {"removed": name};
+- {"cmd": "add_node", "name": name, "spec": {"num_cpus": ..., "resources": {...}}}: a node added; {"added": id};
+- {"cmd": "replicas"}: {"replicas": {state: count}} of the engine deployment (``DSparkServer``);
 - {"cmd": "stop"}: Serve shut down, the cluster stopped, the script exits.
 """
 
@@ -80,6 +82,14 @@ def main() -> None:
         elif command["cmd"] == "remove_node":  # its raylet and every process on it killed, as a lost host
             cluster.remove_node(nodes.pop(command["name"]), allow_graceful=False)
             say(removed=command["name"])
+        elif command["cmd"] == "add_node":  # a node joining the running cluster, as KubeRay adds a worker pod
+            nodes[command["name"]] = cluster.add_node(**node_args(command["name"], command.get("spec", {})))
+            cluster.wait_for_nodes()
+            say(added=nodes[command["name"]].node_id)
+        elif command["cmd"] == "replicas":  # the engine deployment's replicas by state, as Serve reports them
+            deployments = serve.status().applications["dspark"].deployments
+            engine = deployments.get("DSparkServer") or next(iter(deployments.values()))
+            say(replicas={getattr(state, "value", str(state)): count for state, count in engine.replica_states.items()})
         elif command["cmd"] == "stop":
             break
     serve.shutdown()

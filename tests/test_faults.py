@@ -117,14 +117,14 @@ def test_killing_the_drafter_under_load_loses_nothing(app, model):
     engine = build_engine(app.model_copy(update={"engine": app.engine.model_copy(update={"speculate": False})}),
                           backend="native")
     expected = [r.token_ids for r in engine.generate(
-        [encode_prompt(engine.tokenizer, p, chat=True) for p in prompts], SamplingParams(max_tokens=48, temperature=0))]
+        [encode_prompt(engine.tokenizer, p, chat=True) for p in prompts], SamplingParams(max_tokens=32, temperature=0))]
     texts = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
     failures_before = _metric("spec_decode_drafter_failures_total")
     drafted_before = _metric("spec_decode_num_drafted_tokens_total")
     results: dict[int, tuple[int, str]] = {}
 
     def call(index):
-        response = requests.post(f"{HTTP}/v1/chat/completions", json=_chat(model, prompts[index], 48), timeout=300)
+        response = requests.post(f"{HTTP}/v1/chat/completions", json=_chat(model, prompts[index], 32), timeout=300)
         results[index] = (response.status_code, response.json()["choices"][0]["message"]["content"]
                           if response.status_code == 200 else response.text)
 
@@ -272,7 +272,7 @@ def test_grpc_overload_is_resource_exhausted_quickly(app):
             stub = serving_pb2_grpc.DSparkStub(channel)
             start = time.monotonic()
             try:
-                list(stub.GenerateStream(pb.GenerateRequest(prompt="Count to fifty.", chat=True, max_tokens=48),
+                list(stub.GenerateStream(pb.GenerateRequest(prompt="Count to fifty.", chat=True, max_tokens=24),
                                          metadata=[("application", "dspark")], timeout=300))
                 code = "OK"
             except grpc.RpcError as exc:

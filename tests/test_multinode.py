@@ -25,6 +25,8 @@ from dspark.loader import encode_prompt, load_tokenizer
 from dspark.schema import load_engine_config, write_variant
 from dspark.training.prepare import prepare_target
 
+from acceptance_load import ENGINE, RUNTIME, SERVING, OpenLoop, offered_load
+from acceptance_load import MAX_TOKENS as ACCEPTANCE_TOKENS
 from conftest import REPO, benchmark_prompts, free_port, wait_for
 from vllm_runs import MAX_TOKENS as VLLM_MAX_TOKENS
 from vllm_runs import shared_texts
@@ -193,10 +195,11 @@ def test_the_vllm_replicas_drafter_actor_runs_on_another_node_and_replies_as_pla
 
 
 def stream(http: str, body: dict, chunks: list[str]) -> dict:
-    """One streamed completion: its text pieces appended to ``chunks`` as they arrive; the final chunk (finish
-    reason, spec, usage) returned, or the in-band error."""
+    """One streamed completion (``messages`` in ``body``: a chat completion): its text pieces appended to ``chunks``
+    as they arrive; the final chunk (finish reason, spec, usage) returned, or the in-band error."""
     final: dict = {}
-    with requests.post(f"{http}/v1/completions", json={**body, "stream": True}, stream=True, timeout=600) as reply:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    with requests.post(f"{http}{path}", json={**body, "stream": True}, stream=True, timeout=600) as reply:
         assert reply.status_code == 200, reply.text
         for line in reply.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -205,7 +208,7 @@ def stream(http: str, body: dict, chunks: list[str]) -> dict:
             if "error" in chunk:
                 return chunk
             for choice in chunk.get("choices", []):
-                chunks.append(choice.get("text") or "")
+                chunks.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
                 if choice.get("finish_reason"):
                     final = chunk
     return final
@@ -234,17 +237,19 @@ def test_a_removed_node_loses_no_request(native_cluster, tmp_path):
     assert front["node"] == run.nodes["head"] and where["drafter"] == run.nodes["c"], (front, where)
     lost = next(name for name in ("a", "b") if run.nodes[name] == where["replica"])
     served = load_engine_config(config)
-    texts = benchmark_prompts("humaneval", 4)  # code: continued past CARRIED_TOKENS, no early end
+    texts = benchmark_prompts("humaneval", 4)  # code, and (sampled) long stories: no early end
     bodies = [{"model": served.name, "prompt": text, "max_tokens": CARRIED_TOKENS, "temperature": 0}
               for text in texts]
-    bodies += [{**body, "temperature": 0.8, "top_p": 0.95} for body in bodies]
+    bodies += [{"model": served.name, "messages": [{"role": "user", "content": f"Write a long story about {topic}."}],
+                "max_tokens": CARRIED_TOKENS, "temperature": 1.0, "top_p": 0.95}
+               for topic in ("a lighthouse keeper", "a mountain railway", "a glassblower", "a river pilot")]
     chunks: list[list[str]] = [[] for _ in bodies]
     with ThreadPoolExecutor(len(bodies)) as pool:
         finals = [pool.submit(stream, run.http, body, pieces) for body, pieces in zip(bodies, chunks)]
         wait_for(lambda: [len(pieces) for pieces in chunks], 300, "every stream's first tokens",
                  until=lambda seen: all(n >= 2 for n in seen))
-        assert not any(f.done() for f in finals), [(b["temperature"], f.result()) for b, f in zip(bodies, finals)
-                                                   if f.done()]  # every stream still running when the node goes
+        ended = [(body, f.result()) for body, f in zip(bodies, finals) if f.done()]
+        assert not ended, ended  # every stream still running when the node goes
         run.command("removed", cmd="remove_node", name=lost, timeout_s=120)
         finals = [f.result(timeout=600) for f in finals]
     assert all("error" not in final and final["choices"][0]["finish_reason"] for final in finals), finals
@@ -263,3 +268,37 @@ def test_a_removed_node_loses_no_request(native_cluster, tmp_path):
     carried = sum(float(line.split()[-1]) for line in metrics.splitlines()
                   if line.startswith("dspark:request_carry_overs_total"))
     assert carried >= len(bodies) and after["front_door"]["carry_overs"] == carried, (carried, after["front_door"])
+
+
+def test_degraded_acceptance_adds_a_replica_on_a_node_added_at_run_time(native_cluster, tmp_path):
+    """The acceptance-driven autoscaler (``tests/acceptance_load.py``'s engine and load) on this cluster after the
+    node removal above: one replica node is left, and each replica asks for its ``dspark_replica`` resource, so the
+    second replica that degraded acceptance asks for has nowhere to start. A node added while the app runs (as
+    KubeRay's autoscaler adds a worker pod) receives it; when the load ends Serve removes a replica again."""
+    run, _ = native_cluster
+    config = write_variant(
+        load_engine_config(REPO / "configs" / "embedded.yaml"), tmp_path / "autoscaled.yaml",
+        target={"dtype": "float32"}, draft={"dtype": "float32"}, engine=ENGINE,
+        serving=SERVING, runtime={**RUNTIME, "replica_resources": {"dspark_replica": 1}})
+    run.command("deployed", cmd="deploy", config=str(config), timeout_s=600)
+
+    def health() -> dict:
+        return requests.get(f"{run.http}/health", timeout=30).json()
+
+    first = health()["nodes"]["replica"]
+    offered = offered_load(run.http, health)
+    load = OpenLoop(run.http, rate=offered / ACCEPTANCE_TOKENS, temperature=1.5)  # low acceptance from the start
+    try:
+        wait_for(lambda: run.command("replicas", cmd="replicas"), 180, "Serve to ask for a second replica",
+                 until=lambda states: sum(states.values()) >= 2 and states.get("RUNNING", 0) == 1, interval_s=1)
+        added = run.command("added", cmd="add_node", name="d",
+                            spec={"num_cpus": 2, "resources": {"dspark_replica": 1}}, timeout_s=180)
+        wait_for(lambda: run.command("replicas", cmd="replicas"), 300, "the second replica running",
+                 until=lambda states: states.get("RUNNING", 0) == 2, interval_s=1)
+        nodes = {h["nodes"]["replica"] for h in replica_healths(run.http, 2).values()}
+        assert nodes == {first, added}, (nodes, first, added)
+    finally:
+        load.stop.set()
+    assert load.errors == 0
+    wait_for(lambda: run.command("replicas", cmd="replicas"), 300, "one replica again once the load ended",
+             until=lambda states: states == {"RUNNING": 1}, interval_s=1)

@@ -27,12 +27,12 @@ from dspark.integrations.vllm_0_32.args import engine_arguments
 from dspark.loader import load_tokenizer
 
 from conftest import KEY, serve_run, wait_for
-from vllm_runs import GREEDY, fp32_vllm_config, shared_prompts, shared_texts, vllm_generate, with_speculation
+from vllm_runs import GREEDY, MAX_TOKENS, fp32_vllm_config, shared_texts, vllm_generate, with_speculation
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 HTTP_PORT, GRPC_PORT = 8300, 9300
-STREAMS, MAX_TOKENS = 8, 48
+STREAMS = 8  # streams of MAX_TOKENS (the session's plain fp32 run: its prompts and length)
 ENGINE = {"backend": "vllm", "vllm_speculation": "dspark_plugin", "vllm_drafter": "actor", "max_num_seqs": STREAMS,
           "scheduler": "full", "draft_gate": False,  # drafts every step: the kill lands mid-draft
           "vllm_draft_overlap": True}  # on CPU cores unset means off
@@ -56,14 +56,14 @@ def client(app):
 
 
 @pytest.fixture(scope="module")
-def plain(app, tmp_path_factory) -> list[str]:
-    """Offline plain ``vllm.LLM`` greedy replies (no speculation, same engine settings, one at a time), decoded."""
+def plain(app, plain_vllm_fp32) -> list[str]:
+    """Offline plain ``vllm.LLM`` greedy replies (no speculation, one at a time), decoded: the session's plain fp32
+    run of the shared chat prompts, whose engine settings are this app's with speculation off (checked)."""
     config = app.config.model_copy(update={"engine": app.config.engine.model_copy(
         update={"vllm_speculation": "off", "vllm_drafter": "colocated"})})
+    assert engine_arguments(config) == engine_arguments(with_speculation(fp32_vllm_config(), "off"))
     tokenizer = load_tokenizer(config.resolve(config.target.path))
-    run, = vllm_generate(engine_arguments(config), shared_prompts(tokenizer, STREAMS),
-                         [{"max_tokens": MAX_TOKENS, "temperature": 0.0}], tmp_path_factory.mktemp("plain"))
-    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in run["outputs"]]
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in plain_vllm_fp32["outputs"][:STREAMS]]
 
 
 def health(app) -> dict:
