@@ -292,6 +292,30 @@ def _times(capacity: dict[str, float], need: dict[str, float]) -> int:
     return int(min((capacity.get(name, 0.0) // amount for name, amount in need.items() if amount), default=1e9))
 
 
+def check_front_door(where: str, config, replica: dict[str, float], pods: list, errors: list[str]) -> None:
+    """``serving.front_door: deployment``: its replicas fit pod groups, and on pods that hold no engine replica (a
+    front door beside an engine replica dies with that replica's node and takes its requests' state with it)."""
+    from deploy.ray_app import front_door_options
+
+    options = front_door_options(config)
+    need = {"CPU": options["ray_actor_options"]["num_cpus"], **options["ray_actor_options"]["resources"]}
+    wants = ", ".join(f"{need[k]:g} {k}" for k in need if need[k]) or "nothing"
+    hosts = [(name, cap, most) for name, cap, most in pods if _fits(cap, need)]
+    if not hosts:
+        errors.append(f"{where}: a front door replica (serving.front_door: deployment) needs {wants} on one pod; no "
+                      f"pod group offers that ({', '.join(f'{n}: {c}' for n, c, _ in pods)})")
+        return
+    beside = sorted(name for name, cap, _ in hosts if _fits(cap, replica))
+    if beside:
+        errors.append(f"{where}: the front door (needs {wants}) can land on pods of {', '.join(beside)}, which also "
+                      "hold engine replicas: give it a resource of its own (serving.front_door_resources) that only "
+                      "other pods advertise")
+    room = sum(_times(cap, need) * most for _, cap, most in hosts)
+    if options["num_replicas"] > room:
+        errors.append(f"{where}: serving.front_door_replicas is {options['num_replicas']} but the pod groups hold "
+                      f"at most {room} front door replicas")
+
+
 def check_project(doc: dict, serve_config: dict, errors: list[str]) -> None:
     from deploy.ray_app import AppArgs, deployment_options
     from dspark.config import ConfigError
@@ -332,6 +356,8 @@ def check_project(doc: dict, serve_config: dict, errors: list[str]) -> None:
         if wanted > room:
             errors.append(f"{where}: {args.config} asks for up to {wanted} replicas but the pod groups hold "
                           f"at most {room}")
+        if config.serving.front_door == "deployment":
+            check_front_door(where, config, groups[0], pods, errors)
 
 
 # ---------------------------------------------------------------------------- layer 5: exposure

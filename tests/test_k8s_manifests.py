@@ -43,6 +43,9 @@ def test_gpu_manifest_is_the_seeds_deployment(gpu_doc):
     serve = yaml.safe_load(spec["serveConfigV2"])
     assert serve["applications"][0]["args"]["config"] == "configs/kimi-k3.1-pro-b300.yaml"
     assert serve["grpc_options"]["port"] == 9000
+    front = spec["rayClusterConfig"]["workerGroupSpecs"][1]  # the front door on pods that hold no engine replica
+    assert front["groupName"] == "front-door" and "dspark_front_door" in front["rayStartParams"]["resources"]
+    assert "dspark_front_door" not in workers["rayStartParams"]["resources"]
 
 
 def _serve(doc, edit):
@@ -90,6 +93,14 @@ BROKEN = {
     "bad-quantity": (lambda d: _workers(d)["template"]["spec"]["containers"][0]["resources"]["limits"].__setitem__(
         "memory", "lots"), "does not match"),
     "managed-by": (lambda d: d["spec"].__setitem__("managedBy", "me"), "managedBy field value"),
+    # the front door's own pods (serving.front_door: deployment)
+    "front-door-without-pods": (lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"].pop(1),
+                                "a front door replica (serving.front_door: deployment) needs 4 CPU, 1 "
+                                "dspark_front_door on one pod; no pod group offers that"),
+    "front-door-beside-replicas": (lambda d: _workers(d)["rayStartParams"].__setitem__(
+        "resources", '{"dspark_replica": 1, "dspark_front_door": 1}'), "of b300, which also hold engine replicas"),
+    "too-few-front-door-pods": (lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][1].update(
+        replicas=1, minReplicas=1, maxReplicas=1), "front_door_replicas is 2 but the pod groups hold at most 1"),
     # exposure
     "dashboard-open-without-token": (lambda d: d["spec"]["rayClusterConfig"].pop("authOptions"),
                                      "exposes Ray's job API"),
