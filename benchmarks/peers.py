@@ -7,8 +7,9 @@ in the drafter actor (``engine.vllm_drafter: actor``: hidden states over gloo), 
 with the DSpark head (the embedded default's engine settings: confidence scheduler, draft gate), ``transformers``
 ``generate``; each at batch 1 (one request at a time) and at concurrency 8 (eight requests decoded together: vLLM's and
 the native engine's schedulers; ``transformers`` as left-padded batches of 8), greedy and at T=1 / top-p 0.95 (seeded
-per request). Then the served vLLM path (``serve run`` with ``engine.backend: vllm``, the OpenAI API through this
-project's front door, ``dspark loadtest`` at concurrency 1, greedy) against offline vLLM at batch 1.
+per request; ``--decodings`` adds T=1 unseeded, as a client that sends no seed is served). Then the served vLLM path
+(``serve run`` with ``engine.backend: vllm``, the OpenAI API through this project's front door, ``dspark loadtest``
+at concurrency 1, greedy) against offline vLLM at batch 1.
 
     python -m benchmarks.peers [--sets humaneval,gsm8k] [--per-set 30] [--max-tokens 256] [--dtype auto]
         [--draft-dtype bfloat16] [--only DSpark,ngram,served] [--out peers.json] [--plot peers.png]
@@ -48,7 +49,15 @@ from dspark.schema import load_engine_config, write_variant
 from dspark.training.prepare import prepare_target
 
 CONCURRENCY = 8
-TEMPERATURES = {"greedy": (0.0, 1.0), "T=1 top-p 0.95": (1.0, 0.95)}
+# Each decoding: (temperature, top_p). T=1 rows are seeded per request unless the label says unseeded: a seeded
+# sampled request is pinned (full blocks, no draft gate: RowParams.pinned), an unseeded one drafts as a client that
+# sends no seed is served (the draft gate and the load-aware choices on). ``--decodings`` picks the labels to run.
+TEMPERATURES = {"greedy": (0.0, 1.0), "T=1 top-p 0.95": (1.0, 0.95), "T=1 top-p 0.95 unseeded": (1.0, 0.95)}
+DEFAULT_DECODINGS = ("greedy", "T=1 top-p 0.95")
+
+
+def _seed(label: str, i: int) -> int | None:
+    return None if label.endswith("unseeded") else i
 TOP_P = 0.95
 
 
@@ -92,7 +101,7 @@ def _pin(cpus: list[int]) -> None:
 def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[list[int]], max_tokens: int,
                  greedy_batch_1_only: bool, queue, drafter: str = "colocated", cpus: list[int] | None = None,
                  overlap: bool = True, draft_dtype: str | None = None, exact: bool | None = None,
-                 temperatures: tuple[str, ...] = tuple(TEMPERATURES), sources: str = "head") -> None:
+                 temperatures: tuple[str, ...] = DEFAULT_DECODINGS, sources: str = "head") -> None:
     if cpus:  # before vLLM and its OpenMP threads start: they inherit the cores and the thread count
         _pin(cpus)
     from dspark.integrations.vllm_0_32.args import engine_env
@@ -126,8 +135,8 @@ def _vllm_worker(config_path: str, dtype: str, speculation: str, prompts: list[l
         if (greedy_batch_1_only and temperature) or label not in temperatures:
             continue
 
-        def params(i: int, temperature=temperature, top_p=top_p) -> SamplingParams:
-            return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=i)
+        def params(i: int, temperature=temperature, top_p=top_p, label=label) -> SamplingParams:
+            return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=_seed(label, i))
 
         def one(prompt: list[int], i: int) -> list[int]:
             return engine.generate([prompt], params(i))[0].token_ids
@@ -187,7 +196,7 @@ def _vllm_spec_counters(engine) -> dict:
 def vllm_system(config_path: Path, dtype: str, speculation: str, prompts, max_tokens: int,
                 greedy_batch_1_only: bool = False, drafter: str = "colocated", cpus: list[int] | None = None,
                 overlap: bool = True, draft_dtype: str | None = None, exact: bool | None = None,
-                temperatures: tuple[str, ...] = tuple(TEMPERATURES), sources: str = "head") -> dict:
+                temperatures: tuple[str, ...] = DEFAULT_DECODINGS, sources: str = "head") -> dict:
     """``cpus``: the engine's process on those cores, one thread each (None: this process's cores); ``overlap``:
     a drafter actor drafts while vLLM finishes its step (``engine.vllm_draft_overlap``); ``draft_dtype``: the
     draft's (None: ``dtype``); ``exact``: ``engine.vllm_exact`` (None: the config's); ``temperatures``: the
@@ -210,13 +219,17 @@ def vllm_system(config_path: Path, dtype: str, speculation: str, prompts, max_to
 
 
 # ------------------------------------------------------------------------------------------------ in this process
-def native_system(config, speculate: bool, prompts, max_tokens: int) -> dict:
+def native_system(config, speculate: bool, prompts, max_tokens: int,
+                  temperatures: tuple[str, ...] = DEFAULT_DECODINGS) -> dict:
     engine = build_engine(config.model_copy(update={"engine": config.engine.model_copy(
         update={"max_num_seqs": CONCURRENCY})}), speculate=speculate, backend="native")
     results = {}
     for label, (temperature, top_p) in TEMPERATURES.items():
-        def params(i: int, temperature=temperature, top_p=top_p) -> SamplingParams:
-            return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=i)
+        if label not in temperatures:
+            continue
+
+        def params(i: int, temperature=temperature, top_p=top_p, label=label) -> SamplingParams:
+            return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=_seed(label, i))
 
         def one(prompt, i):
             return engine.generate([prompt], params(i))[0].token_ids
@@ -231,13 +244,16 @@ def native_system(config, speculate: bool, prompts, max_tokens: int) -> dict:
     return results
 
 
-def transformers_system(config, prompts, max_tokens: int, eos: list[int]) -> dict:
+def transformers_system(config, prompts, max_tokens: int, eos: list[int],
+                        temperatures: tuple[str, ...] = DEFAULT_DECODINGS) -> dict:
     import transformers
 
     path = str(config.resolve(config.target.path))
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.target.dtype)).eval()
     results = {}
     for label, (temperature, top_p) in TEMPERATURES.items():
+        if label not in temperatures:
+            continue
         sampled = {"do_sample": True, "temperature": temperature, "top_p": top_p}
 
         def generate(batch_ids: list[list[int]], seed: int, sample=sampled if temperature else {}) -> list[list[int]]:
@@ -316,14 +332,15 @@ def _checkpointed(path: Path, key: dict, name: str, fn):
 
 def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype: str, work: Path,
         only: list[str] | None = None, engine_cpus: list[int] | None = None,
-        served_engine_cpus: list[int] | None = None, resume: bool = False, draft_dtype: str | None = None) -> dict:
-    """``draft_dtype``: the DSpark rows' draft dtype where it differs from ``dtype`` (named in those rows; None:
-    ``dtype``, as the config's ``auto`` resolves it with ``dtype: auto``). ``only``: run the systems whose names contain
-    one of these (vLLM plain, the baseline, always runs; the served path only when 'served' is among them); None:
-    everything. ``engine_cpus``: every engine computes on these cores with one thread each (the served one too:
-    ``served_vllm``); None: on all of them. ``served_engine_cpus``: only the served path's engine (and its offline twin)
-    on those cores. ``resume``: the systems an interrupted run with the same settings finished on this machine are read
-    back from ``work``."""
+        served_engine_cpus: list[int] | None = None, resume: bool = False, draft_dtype: str | None = None,
+        decodings: tuple[str, ...] = DEFAULT_DECODINGS) -> dict:
+    """``decodings``: the labels of ``TEMPERATURES`` each system runs. ``draft_dtype``: the DSpark rows' draft dtype
+    where it differs from ``dtype`` (named in those rows; None: ``dtype``, as the config's ``auto`` resolves it with
+    ``dtype: auto``). ``only``: run the systems whose names contain one of these (vLLM plain, the baseline, always
+    runs; the served path only when 'served' is among them); None: everything. ``engine_cpus``: every engine
+    computes on these cores with one thread each (the served one too: ``served_vllm``); None: on all of them.
+    ``served_engine_cpus``: only the served path's engine (and its offline twin) on those cores. ``resume``: the
+    systems an interrupted run with the same settings finished on this machine are read back from ``work``."""
     served_engine_cpus = served_engine_cpus or engine_cpus
     if served_engine_cpus and not set(range(os.cpu_count() or 1)) - set(served_engine_cpus):
         raise SystemExit("--engine-cpus / --served-engine-cpus must leave a core for serve run and the load generator")
@@ -343,37 +360,41 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
     eos = sorted({tokenizer.eos_token_id} | set(getattr(tokenizer, "additional_eos_ids", []) or []))
     head = Path(config.draft.path).name  # the config's head, named in its rows (with its dtype where it differs)
     head += f", {draft_dtype} draft" if draft_dtype != dtype else ""
+    def vllm(speculation: str, **options):
+        return lambda: vllm_system(config_path, dtype, speculation, prompts, max_tokens, temperatures=decodings,
+                                   **options)
+
     systems = {
-        "vLLM plain": lambda: vllm_system(config_path, dtype, "off", prompts, max_tokens),
-        "vLLM + ngram (prompt lookup, k=5)": lambda: vllm_system(config_path, dtype, "ngram", prompts, max_tokens),
-        "vLLM + suffix (suffix decoding, arctic-inference 0.3.0)": lambda: vllm_system(
-            config_path, dtype, "suffix", prompts, max_tokens),
-        f"vLLM + DSpark ({head}, our proposer in vLLM)": lambda: vllm_system(
-            config_path, dtype, "dspark_plugin", prompts, max_tokens, draft_dtype=draft_dtype),
-        f"vLLM + hybrid ({head} + prompt lookup, chosen per request and step)": lambda: vllm_system(
-            config_path, dtype, "dspark_plugin", prompts, max_tokens, draft_dtype=draft_dtype, sources="hybrid"),
-        "vLLM + lookup (our proposer, prompt lookup only)": lambda: vllm_system(
-            config_path, dtype, "dspark_plugin", prompts, max_tokens, draft_dtype=draft_dtype, sources="lookup"),
-        f"vLLM + DSpark actor ({head}, drafter actor over gloo)": lambda: vllm_system(
-            config_path, dtype, "dspark_plugin", prompts, max_tokens, drafter="actor", draft_dtype=draft_dtype),
-        f"vLLM + DSpark actor without overlap ({head}, vLLM waits for the drafts)": lambda: vllm_system(
-            config_path, dtype, "dspark_plugin", prompts, max_tokens, drafter="actor", overlap=False,
-            draft_dtype=draft_dtype),
-        "native plain": lambda: native_system(config, False, prompts, max_tokens),
-        f"native + DSpark ({head})": lambda: native_system(config, True, prompts, max_tokens),
-        "transformers generate": lambda: transformers_system(config, prompts, max_tokens, eos),
+        "vLLM plain": vllm("off"),
+        "vLLM + ngram (prompt lookup, k=5)": vllm("ngram"),
+        "vLLM + suffix (suffix decoding, arctic-inference 0.3.0)": vllm("suffix"),
+        f"vLLM + DSpark ({head}, our proposer in vLLM)": vllm("dspark_plugin", draft_dtype=draft_dtype),
+        f"vLLM + hybrid ({head} + prompt lookup, chosen per request and step)": vllm(
+            "dspark_plugin", draft_dtype=draft_dtype, sources="hybrid"),
+        "vLLM + lookup (our proposer, prompt lookup only)": vllm("dspark_plugin", draft_dtype=draft_dtype,
+                                                                 sources="lookup"),
+        f"vLLM + DSpark actor ({head}, drafter actor over gloo)": vllm("dspark_plugin", drafter="actor",
+                                                                       draft_dtype=draft_dtype),
+        f"vLLM + DSpark actor without overlap ({head}, vLLM waits for the drafts)": vllm(
+            "dspark_plugin", drafter="actor", overlap=False, draft_dtype=draft_dtype),
+        "native plain": lambda: native_system(config, False, prompts, max_tokens, decodings),
+        f"native + DSpark ({head})": lambda: native_system(config, True, prompts, max_tokens, decodings),
+        "transformers generate": lambda: transformers_system(config, prompts, max_tokens, eos, decodings),
     }
     checkpoint = work / "peers-partial.json"
     if not resume:
         checkpoint.unlink(missing_ok=True)
     key = {"config": str(config_path), "sets": sets, "per_set": per_set, "max_tokens": max_tokens, "dtype": dtype,
-           "draft_dtype": draft_dtype, "engine_cpus": engine_cpus, "machine": machine()}
+           "draft_dtype": draft_dtype, "engine_cpus": engine_cpus, "machine": machine(),
+           **({"decodings": list(decodings)} if tuple(decodings) != DEFAULT_DECODINGS else {})}
     rows = []
     for name, fn in systems.items():
         if only is not None and name != "vLLM plain" and not any(o in name for o in only):
             continue
         results = _checkpointed(checkpoint, key, name, fn)
         for label in TEMPERATURES:
+            if label not in results:
+                continue
             spec = results.get(label + " spec")
             for mode, (outputs, seconds) in results[label].items():
                 outputs = [[t for t in o if t not in eos] for o in outputs]
@@ -526,7 +547,8 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     systems = list(dict.fromkeys(r["system"] for r in report["rows"]))
-    panels = [(m, t) for m in ("batch 1", f"concurrency {CONCURRENCY}") for t in TEMPERATURES]
+    present = {r["temperature"] for r in report["rows"]}
+    panels = [(m, t) for m in ("batch 1", f"concurrency {CONCURRENCY}") for t in TEMPERATURES if t in present]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4), sharey=False)
     key = "vs_vllm_plain" if report.get("combined") else "tok_s"  # tokens/s of different runs do not compare
     for ax, (mode, temp) in zip(axes, panels):
@@ -572,7 +594,12 @@ def main(argv: list[str] | None = None) -> int:
                         "--out/--plot")
     parser.add_argument("--only", default=None, help="comma-separated parts of system names to run (vLLM plain "
                                                      "always runs; 'served' for the served path); default: all")
+    parser.add_argument("--decodings", default=",".join(DEFAULT_DECODINGS),
+                        help=f"comma-separated decodings to run, of: {', '.join(TEMPERATURES)}")
     args = parser.parse_args(argv)
+    decodings = tuple(d.strip() for d in args.decodings.split(","))
+    if unknown := [d for d in decodings if d not in TEMPERATURES]:
+        parser.error(f"--decodings: unknown {unknown}; known: {', '.join(TEMPERATURES)}")
     if args.combine:
         if not args.runs:
             parser.error("--combine needs --runs")
@@ -583,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
                  args.only.split(",") if args.only else None,
                  [int(c) for c in args.engine_cpus.split(",")] if args.engine_cpus else None,
                  [int(c) for c in args.served_engine_cpus.split(",")] if args.served_engine_cpus else None,
-                 args.resume, args.draft_dtype)
+                 args.resume, args.draft_dtype, decodings)
     if args.runs:
         print(table(report) + "\n")  # this run alone, then the runs file combined
         report = combine(add_run(Path(args.runs), report))
