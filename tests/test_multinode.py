@@ -25,16 +25,16 @@ from dspark.loader import encode_prompt, load_tokenizer
 from dspark.schema import load_engine_config, write_variant
 from dspark.training.prepare import prepare_target
 
-from acceptance_load import ENGINE, RUNTIME, SERVING, OpenLoop, offered_load
 from acceptance_load import MAX_TOKENS as ACCEPTANCE_TOKENS
+from acceptance_load import NATIVE_ENGINE, RUNTIME, SERVING, OpenLoop, offered_load
 from conftest import REPO, benchmark_prompts, free_port, wait_for
 from vllm_runs import MAX_TOKENS as VLLM_MAX_TOKENS
 from vllm_runs import shared_texts
 
 pytestmark = pytest.mark.slow
 PROMPTS, MAX_TOKENS = 20, 12
-VLLM_PROMPTS = 4  # of the shared chat prompts, against the session's plain vLLM run of them
-CARRIED_TOKENS = 48  # per stream in the node-removal test: long enough to be mid-stream when the node goes
+VLLM_PROMPTS = 2  # of the shared chat prompts, against the session's plain vLLM run of them
+CARRIED_TOKENS = 32  # per stream in the node-removal test: long enough to be mid-stream when the node goes
 NODES = {"a": {"num_cpus": 2, "resources": {"dspark_replica": 1}},
          "b": {"num_cpus": 2, "resources": {"dspark_replica": 1}},
          "c": {"num_cpus": 2, "resources": {"dspark_drafter": 2}}}
@@ -271,14 +271,14 @@ def test_a_removed_node_loses_no_request(native_cluster, tmp_path):
 
 
 def test_degraded_acceptance_adds_a_replica_on_a_node_added_at_run_time(native_cluster, tmp_path):
-    """The acceptance-driven autoscaler (``tests/acceptance_load.py``'s engine and load) on this cluster after the
-    node removal above: one replica node is left, and each replica asks for its ``dspark_replica`` resource, so the
-    second replica that degraded acceptance asks for has nowhere to start. A node added while the app runs (as
+    """The acceptance-driven autoscaler (``tests/acceptance_load.py``'s load, on the native engine) on this cluster
+    after the node removal above: one replica node is left, and each replica asks for its ``dspark_replica`` resource,
+    so the second replica that degraded acceptance asks for has nowhere to start. A node added while the app runs (as
     KubeRay's autoscaler adds a worker pod) receives it; when the load ends Serve removes a replica again."""
     run, _ = native_cluster
     config = write_variant(
         load_engine_config(REPO / "configs" / "embedded.yaml"), tmp_path / "autoscaled.yaml",
-        target={"dtype": "float32"}, draft={"dtype": "float32"}, engine=ENGINE,
+        target={"dtype": "float32"}, draft={"dtype": "float32"}, engine=NATIVE_ENGINE,
         serving=SERVING, runtime={**RUNTIME, "replica_resources": {"dspark_replica": 1}})
     run.command("deployed", cmd="deploy", config=str(config), timeout_s=600)
 
