@@ -4,6 +4,7 @@ as a run that never stopped."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -121,3 +122,29 @@ def test_a_pretokenized_exchange_is_packed_with_its_own_ids(tiny_tokenizer):
     ids, spans = packer.take(1)
     assert ids[0, :24].tolist() == list(header + reply)
     assert spans.tolist() == [[0, 4, 24]] and ids[0, 24] == tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_the_target_responses_travel_in_git_and_a_fresh_machine_continues_them(tmp_path, monkeypatch):
+    """``dspark corpus build`` keeps the responses file beside the target-responses shards (xz, sha256 in the
+    manifest, complete rows only); on a machine without the file (a fresh one) the archive starts it again, so
+    ``respond`` skips the prompts answered before; an existing file is never overwritten."""
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    rows = [{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}, {"prompt_ids": [6], "response_ids": [7, 8, 9]}]
+    path = corpus.responses_file()
+    path.parent.mkdir(parents=True)
+    complete = "".join(json.dumps(r) + "\n" for r in rows)
+    path.write_text(complete + '{"prompt_ids": [10')  # a run killed mid-row
+    root = tmp_path / "data"
+    entry = corpus.archive_responses(root)
+    assert entry["rows"] == 2 and entry["file"] == corpus.RESPONSES_ARCHIVE
+    heldout = root / "target-responses" / "heldout.npz.xz"
+    heldout.write_bytes(b"rows")
+    (root / "target-responses" / "manifest.json").write_text(json.dumps(
+        {"heldout": {"file": heldout.name, "sha256": hashlib.sha256(b"rows").hexdigest()}, "shards": [],
+         "responses": entry}))
+    assert corpus.verify(root) == []
+    assert not corpus.restore_responses(root)  # the file is there: left as it is
+    path.unlink()
+    assert corpus.restore_responses(root) and path.read_text() == complete
+    (root / "target-responses" / corpus.RESPONSES_ARCHIVE).write_bytes(b"changed")
+    assert corpus.verify(root) == [str(root / "target-responses" / corpus.RESPONSES_ARCHIVE)]

@@ -292,12 +292,42 @@ def vim_docs(rng: random.Random) -> Iterator[Document]:
             yield Document(rng.choice(_DOC_PROMPTS).format(topic=f"{topic} (Vim help)"), text.strip())
 
 
+DATA_ROOT = Path(__file__).resolve().parents[2] / "training" / "data"
+RESPONSES_ARCHIVE = "responses.jsonl.xz"  # in <root>/target-responses/: every reply's ids, kept in git
+
+
 def responses_file() -> Path:
-    """Where ``dspark corpus respond`` writes the target's responses (outside git; the corpus keeps their ids)."""
+    """Where ``dspark corpus respond`` writes the target's responses (outside git; the corpus keeps their ids, and
+    ``<root>/target-responses/responses.jsonl.xz`` the whole file, so that a fresh machine continues it)."""
     import os
 
     root = Path(os.path.expandvars(os.environ.get("DSPARK_CACHE", "~/.cache/dspark"))).expanduser()
     return root / "train" / "responses" / "responses.jsonl"
+
+
+def restore_responses(root: Path = DATA_ROOT) -> bool:
+    """On a machine without the responses file (a fresh one), start it from the committed archive: ``respond``
+    then skips the prompts answered in earlier sessions and ``build`` packs them all. True if restored."""
+    out, archive = responses_file(), root / "target-responses" / RESPONSES_ARCHIVE
+    if out.is_file() or not archive.is_file():
+        return False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(lzma.decompress(archive.read_bytes()))
+    return True
+
+
+def archive_responses(root: Path = DATA_ROOT) -> dict | None:
+    """The responses file, xz-compressed beside the target-responses shards (its sha256 goes in their manifest)."""
+    path = responses_file()
+    if not path.is_file():
+        return None
+    data = path.read_bytes()
+    data = data[: data.rfind(b"\n") + 1]  # complete rows only
+    archive = root / "target-responses" / RESPONSES_ARCHIVE
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    archive.write_bytes(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))
+    return {"file": RESPONSES_ARCHIVE, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest(),
+            "rows": data.count(b"\n")}
 
 
 def target_responses(rng: random.Random) -> Iterator[Document]:
@@ -493,6 +523,8 @@ def build_source(source: Source, tokenizer, root: Path, benchmarks_dir: Path, *,
                 "heldout": heldout, "shards": shards}
     if source.name.startswith("package-") and source.name != "package-docs":
         manifest["package_licences"] = package_licences()
+    if source.name == "target-responses":  # the replies themselves, for the next machine's respond and build
+        manifest["responses"] = archive_responses(root)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     log(f"[corpus] {source.name}: {manifest['tokens']} tokens in {len(shards)} shards, {kept} documents, "
         f"{dropped} dropped as contaminated")
@@ -504,7 +536,8 @@ def verify(root: Path) -> list[str]:
     bad = []
     for manifest_path in sorted(root.glob("*/manifest.json")):
         manifest = json.loads(manifest_path.read_text())
-        for entry in [manifest["heldout"], *manifest["shards"]]:
+        for entry in [manifest["heldout"], *manifest["shards"], *([manifest["responses"]]
+                                                                   if "responses" in manifest else [])]:
             path = manifest_path.parent / entry["file"]
             if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
                 bad.append(str(path))
@@ -530,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256, help="respond: reply length cap")
     ap.add_argument("--time-budget", type=float, default=None, help="respond: stop after this many seconds "
                                                                     "(resumable: prompts with a row are skipped)")
-    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2] / "training" / "data")
+    ap.add_argument("--root", type=Path, default=DATA_ROOT)
     ap.add_argument("--source", action="append", choices=sorted(SOURCES), help="sources to build (default: all)")
     ap.add_argument("--target", default="${DSPARK_CACHE}/smollm2-135m-instruct", help="whose tokenizer")
     args = ap.parse_args(argv)
@@ -538,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
         bad = verify(args.root)
         print("\n".join(bad) if bad else f"{args.root}: every file matches its manifest")
         return 1 if bad else 0
+    building = (args.source or sorted(SOURCES)) if args.action == "build" else []
+    if args.action == "respond" or "target-responses" in building:
+        restore_responses(args.root)  # a fresh machine: continue from the replies committed before
     if args.action == "respond":
         return respond(args.prompts, args.max_tokens, args.time_budget)
     import os
