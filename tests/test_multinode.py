@@ -2,8 +2,11 @@
 CPUs), the embedded default on the native engine, two replicas steered by custom resources (``runtime.
 replica_resources``: each engine node holds one replica; ``runtime.drafter_resources``: the drafter actors on a node
 of their own); then, on the same cluster, one vLLM replica whose DSpark head drafts in the drafter actor on the
-drafter node (``engine.vllm_drafter: actor``). Where everything runs is read from Ray: each actor's node as its own
-runtime context reports it in ``/health``, checked against Ray's placement group table. On one host this proves
+drafter node (``engine.vllm_drafter: actor``); then the front door as a deployment of its own while a replica's node
+is removed under 8 streams (carried over, nothing lost); then the acceptance autoscaler's second replica starting
+on a node added at run time (native engine, its own prompt lookup). Where everything runs is read from Ray: each
+actor's node as its own runtime context reports it in ``/health``, checked against Ray's placement group table. On
+one host this proves
 placement and addressing (the hidden states cross between raylets over gloo's TCP on the host's address), not a
 real network."""
 
