@@ -54,11 +54,11 @@ CONCURRENCY = 8
 # sends no seed is served (the draft gate and the load-aware choices on). ``--decodings`` picks the labels to run.
 TEMPERATURES = {"greedy": (0.0, 1.0), "T=1 top-p 0.95": (1.0, 0.95), "T=1 top-p 0.95 unseeded": (1.0, 0.95)}
 DEFAULT_DECODINGS = ("greedy", "T=1 top-p 0.95")
+TOP_P = 0.95
 
 
 def _seed(label: str, i: int) -> int | None:
     return None if label.endswith("unseeded") else i
-TOP_P = 0.95
 
 
 def _progress(name: str, done: int, total: int) -> None:
@@ -360,6 +360,7 @@ def run(config_path: Path, sets: list[str], per_set: int, max_tokens: int, dtype
     eos = sorted({tokenizer.eos_token_id} | set(getattr(tokenizer, "additional_eos_ids", []) or []))
     head = Path(config.draft.path).name  # the config's head, named in its rows (with its dtype where it differs)
     head += f", {draft_dtype} draft" if draft_dtype != dtype else ""
+
     def vllm(speculation: str, **options):
         return lambda: vllm_system(config_path, dtype, speculation, prompts, max_tokens, temperatures=decodings,
                                    **options)

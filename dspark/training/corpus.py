@@ -325,9 +325,9 @@ def archive_responses(root: Path = DATA_ROOT) -> dict | None:
     data = data[: data.rfind(b"\n") + 1]  # complete rows only
     archive = root / "target-responses" / RESPONSES_ARCHIVE
     archive.parent.mkdir(parents=True, exist_ok=True)
-    archive.write_bytes(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))
-    return {"file": RESPONSES_ARCHIVE, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest(),
-            "rows": data.count(b"\n")}
+    packed = lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)
+    archive.write_bytes(packed)
+    return {"file": RESPONSES_ARCHIVE, "sha256": hashlib.sha256(packed).hexdigest(), "rows": data.count(b"\n")}
 
 
 def target_responses(rng: random.Random) -> Iterator[Document]:
@@ -536,8 +536,7 @@ def verify(root: Path) -> list[str]:
     bad = []
     for manifest_path in sorted(root.glob("*/manifest.json")):
         manifest = json.loads(manifest_path.read_text())
-        for entry in [manifest["heldout"], *manifest["shards"], *([manifest["responses"]]
-                                                                   if "responses" in manifest else [])]:
+        for entry in [manifest["heldout"], *manifest["shards"], *filter(None, [manifest.get("responses")])]:
             path = manifest_path.parent / entry["file"]
             if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
                 bad.append(str(path))
