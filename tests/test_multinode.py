@@ -6,9 +6,8 @@ drafter node (``engine.vllm_drafter: actor``); then the front door as a deployme
 is removed under 8 streams (carried over, nothing lost); then the acceptance autoscaler's second replica starting
 on a node added at run time (native engine, its own prompt lookup). Where everything runs is read from Ray: each
 actor's node as its own runtime context reports it in ``/health``, checked against Ray's placement group table. On
-one host this proves
-placement and addressing (the hidden states cross between raylets over gloo's TCP on the host's address), not a
-real network."""
+one host this proves placement and addressing (the hidden states cross between raylets over gloo's TCP on the
+host's address), not a real network."""
 
 from __future__ import annotations
 
