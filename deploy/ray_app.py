@@ -111,8 +111,8 @@ def deployment_options(config: EngineFileConfig) -> dict:
         "max_queued_requests": max_ongoing(serving),
         "backpressure_config": {"status_code": 429, "retry_after_s": 1.0},
         "health_check_period_s": 5,
-        "graceful_shutdown_timeout_s": 5,
-        "graceful_shutdown_wait_loop_s": 0.5,
+        "graceful_shutdown_timeout_s": serving.drain_grace_s,  # then carried over by a front door of its own
+        "graceful_shutdown_wait_loop_s": min(0.5, serving.drain_grace_s),
     }
 
 

@@ -341,6 +341,9 @@ class ServingSpec(_Strict):
     carry_over_max_tokens: int = Field(8192, ge=1, description="front_door 'deployment': longest prompt + tokens "
                                                                "sent that is carried over (the token state kept "
                                                                "per request).")
+    drain_grace_s: float = Field(5.0, ge=0, le=3600, description="Seconds a replica being stopped (scale-down, "
+                                 "rolling upgrade) keeps decoding the requests it has; past them its requests are "
+                                 "carried over (front_door 'deployment') or fail with a retryable 503.")
 
     @field_validator("front_door_resources")
     @classmethod

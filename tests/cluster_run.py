@@ -6,7 +6,8 @@ keeps its own single-node cluster).
 SPEC: {"config": engine config YAML, "http_port": int, "head": {"num_cpus": ..., "resources": {...}},
 "nodes": {name: {"num_cpus": ..., "resources": {...}}}}. One raylet per node (``ray.cluster_utils.Cluster``, as Ray's
 own multi-node tests), logical CPUs, a custom resource ``node:<name>`` naming each node besides the spec's. Serve's
-HTTP proxy runs on the head node only (``location: HeadOnly``); ``deploy.ray_app`` deploys the config.
+HTTP proxy runs on the head node only (``location: HeadOnly``); the app is deployed declaratively
+(``deploy.ray_app:app`` with the config as its argument, as ``serve deploy`` and KubeRay's RayService do).
 
 Prints one JSON line per event on stdout: {"ready": {"nodes": {name: node id}}} once the app answers, then one
 answer per command read from stdin (one JSON object per line):
@@ -14,6 +15,9 @@ answer per command read from stdin (one JSON object per line):
   from Ray's placement group table;
 - {"cmd": "deploy", "config": path}: the app deleted and ``config`` deployed in its place on the same cluster;
   {"deployed": true} once it answers;
+- {"cmd": "scale", "replicas": n}: the engine deployment's replica count set to ``n`` by a lightweight config
+  update (as KubeRay applies a changed ``serveConfigV2``: the other replicas and the front door keep running, a
+  replica scaled away is drained with its grace period); {"scaled": n} at once;
 - {"cmd": "remove_node", "name": name}: that node's raylet and processes killed; {"removed": name};
 - {"cmd": "add_node", "name": name, "spec": {"num_cpus": ..., "resources": {...}}}: a node added; {"added": id};
 - {"cmd": "replicas"}: {"replicas": {state: count}} of the engine deployment (``DSparkServer``);
@@ -30,8 +34,10 @@ import urllib.request
 import ray
 from ray import serve
 from ray.cluster_utils import Cluster
+from ray.serve.context import _get_global_client
+from ray.serve.schema import ServeDeploySchema
 
-from deploy.ray_app import build_app
+ENGINE = "DSparkServer"  # the engine deployment's name, with or without a front door of its own
 
 
 def say(**event) -> None:
@@ -56,6 +62,14 @@ def wait_healthy(port: int, timeout_s: float = 300) -> None:
         time.sleep(0.5)
 
 
+def deploy(port: int, config: str, replicas: int | None = None) -> None:
+    """``config`` as the app ``dspark``; ``replicas``: the engine deployment's count, overriding the config's."""
+    app = {"name": "dspark", "route_prefix": "/", "import_path": "deploy.ray_app:app", "args": {"config": config},
+           "deployments": [{"name": ENGINE, "num_replicas": replicas}] if replicas is not None else []}
+    _get_global_client().deploy_apps(ServeDeploySchema(
+        proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port}, applications=[app]))
+
+
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     cluster = Cluster(initialize_head=True, head_node_args=node_args("head", spec.get("head", {})))
@@ -65,7 +79,8 @@ def main() -> None:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": spec["http_port"], "location": "HeadOnly"})
-    serve.run(build_app({"config": spec["config"]}), name="dspark", route_prefix="/", blocking=False)
+    config = spec["config"]
+    deploy(spec["http_port"], config)
     wait_healthy(spec["http_port"])
     say(ready={"nodes": {name: node.node_id for name, node in nodes.items()}})
     for line in sys.stdin:
@@ -76,9 +91,13 @@ def main() -> None:
                             "strategy": pg["strategy"], "state": pg["state"]} for pg in table.values()])
         elif command["cmd"] == "deploy":
             serve.delete("dspark")  # its replicas and their actors gone before the new app asks for their nodes
-            serve.run(build_app({"config": command["config"]}), name="dspark", route_prefix="/", blocking=False)
+            config = command["config"]
+            deploy(spec["http_port"], config)
             wait_healthy(spec["http_port"])
             say(deployed=True)
+        elif command["cmd"] == "scale":
+            deploy(spec["http_port"], config, command["replicas"])
+            say(scaled=command["replicas"])
         elif command["cmd"] == "remove_node":  # its raylet and every process on it killed, as a lost host
             cluster.remove_node(nodes.pop(command["name"]), allow_graceful=False)
             say(removed=command["name"])
@@ -88,7 +107,7 @@ def main() -> None:
             say(added=nodes[command["name"]].node_id)
         elif command["cmd"] == "replicas":  # the engine deployment's replicas by state, as Serve reports them
             deployments = serve.status().applications["dspark"].deployments
-            engine = deployments.get("DSparkServer") or next(iter(deployments.values()))
+            engine = deployments[ENGINE]
             say(replicas={getattr(state, "value", str(state)): count for state, count in engine.replica_states.items()})
         elif command["cmd"] == "stop":
             break

@@ -2,12 +2,13 @@
 CPUs), the embedded default on the native engine, two replicas steered by custom resources (``runtime.
 replica_resources``: each engine node holds one replica; ``runtime.drafter_resources``: the drafter actors on a node
 of their own); then, on the same cluster, one vLLM replica whose DSpark head drafts in the drafter actor on the
-drafter node (``engine.vllm_drafter: actor``); then the front door as a deployment of its own while a replica's node
-is removed under 8 streams (carried over, nothing lost); then the acceptance autoscaler's second replica starting
-on a node added at run time (native engine, its own prompt lookup). Where everything runs is read from Ray: each
-actor's node as its own runtime context reports it in ``/health``, checked against Ray's placement group table. On
-one host this proves placement and addressing (the hidden states cross between raylets over gloo's TCP on the
-host's address), not a real network."""
+drafter node (``engine.vllm_drafter: actor``); then the front door as a deployment of its own in front of two engine
+replicas, one drained by a scale-down under 8 streams and then the other's node removed under 8 more (carried over,
+nothing lost); then the acceptance autoscaler keeping one replica while acceptance is high and starting the second
+on a node added at run time when it falls (native engine, its own prompt lookup). Where everything runs is read from
+Ray: each actor's node as its own runtime context reports it in ``/health``, checked against Ray's placement group
+table. On one host this proves placement and addressing (the hidden states cross between raylets over gloo's TCP on
+the host's address), not a real network."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from dspark.training.prepare import prepare_target
 
 from acceptance_load import MAX_TOKENS as ACCEPTANCE_TOKENS
 from acceptance_load import NATIVE_ENGINE, RUNTIME, SERVING, OpenLoop, offered_load
-from conftest import REPO, benchmark_prompts, free_port, wait_for
+from conftest import REPO, benchmark_prompts, free_port, holds, wait_for
 from vllm_runs import MAX_TOKENS as VLLM_MAX_TOKENS
 from vllm_runs import shared_texts
 
@@ -37,6 +38,8 @@ pytestmark = pytest.mark.slow
 PROMPTS, MAX_TOKENS = 20, 12
 VLLM_PROMPTS = 2  # of the shared chat prompts, against the session's plain vLLM run of them
 CARRIED_TOKENS = 32  # per stream in the node-removal test: long enough to be mid-stream when the node goes
+DRAINED_TOKENS, DRAIN_GRACE_S = 48, 1.0  # the drain test's streams outlast the drained replica's grace period
+GREEDY_HOLD_S = 10  # the autoscaling test: one replica kept this long at the offered load while acceptance is high
 NODES = {"a": {"num_cpus": 2, "resources": {"dspark_replica": 1}},
          "b": {"num_cpus": 2, "resources": {"dspark_replica": 1}},
          "c": {"num_cpus": 2, "resources": {"dspark_drafter": 2}}}
@@ -112,12 +115,12 @@ def native_cluster(tmp_path_factory):
 
 
 def replica_healths(http: str, replicas: int) -> dict[str, dict]:
-    """/health of every replica (the proxy routes each call to one; ask until each has answered)."""
+    """/health of every engine replica (each call answers from one; ask until each has answered), by replica."""
     seen: dict[str, dict] = {}
 
     def ask() -> dict:
-        reply = requests.get(f"{http}/health", timeout=30)
-        seen[reply.headers["x-dspark-replica"]] = reply.json()
+        health = requests.get(f"{http}/health", timeout=30).json()
+        seen[health["replica"]] = health
         return seen
 
     return wait_for(ask, 120, f"{replicas} replicas to answer /health", until=lambda s: len(s) >= replicas,
@@ -216,34 +219,35 @@ def stream(http: str, body: dict, chunks: list[str]) -> dict:
     return final
 
 
-def test_a_removed_node_loses_no_request(native_cluster, tmp_path):
-    """The front door in its own deployment on the head node (``serving.front_door: deployment``), one engine
-    replica on a replica node, its drafter on the drafter node. 8 streams (4 greedy, 4 sampled) run on that replica;
-    its node is removed mid-stream (raylet and processes killed, as a lost host). Serve starts a replacement on the
-    other replica node, and the front door carries every request over to it with the prompt plus the tokens already
-    sent: 8/8 streams complete, none with an error; each greedy stream's text equals plain decoding of the same
-    engine and dtype (nothing missing, nothing repeated); each sampled stream has all its tokens; the carry-overs
-    are counted in /metrics. Last in this module: the node stays removed."""
+@pytest.fixture(scope="module")
+def split_app(native_cluster, tmp_path_factory):
+    """The front door in its own deployment on the head node (``serving.front_door: deployment``) in front of two
+    engine replicas, one on each replica node, their drafters on the drafter node; a replica being stopped keeps
+    decoding for ``DRAIN_GRACE_S``."""
     run, _ = native_cluster
     config = write_variant(
-        load_engine_config(REPO / "configs" / "embedded.yaml"), tmp_path / "split.yaml",
+        load_engine_config(REPO / "configs" / "embedded.yaml"), tmp_path_factory.mktemp("split") / "split.yaml",
         target={"dtype": "bfloat16"}, draft={"dtype": "bfloat16"},
         engine={"backend": "native", "max_num_seqs": 8},
-        serving={"num_replicas": 1, "load_aware_speculation": False, "front_door": "deployment",
-                 "front_door_resources": {"dspark_front_door": 1}, "front_door_cpus": 0.5},
+        serving={"num_replicas": 2, "load_aware_speculation": False, "front_door": "deployment",
+                 "front_door_resources": {"dspark_front_door": 1}, "front_door_cpus": 0.5,
+                 "drain_grace_s": DRAIN_GRACE_S},
         runtime={"placement_strategy": "PACK", "replica_resources": {"dspark_replica": 1},
                  "drafter_resources": {"dspark_drafter": 1}, "shard_threads": 1, "drafter_threads": 1})
     run.command("deployed", cmd="deploy", config=str(config), timeout_s=600)
-    health = next(iter(replica_healths(run.http, 1).values()))
-    where, front = health["nodes"], health["front_door"]
-    assert front["node"] == run.nodes["head"] and where["drafter"] == run.nodes["c"], (front, where)
-    lost = next(name for name in ("a", "b") if run.nodes[name] == where["replica"])
     served = load_engine_config(config)
+    return run, served, build_engine(served, speculate=False, backend="native")
+
+
+def carried_streams(run: ClusterRun, served, plain, tokens: int, during) -> list[dict]:
+    """8 streams (4 greedy, 4 sampled) through the front door; ``during()`` once every stream has sent its first
+    tokens and none has ended. Then: 8/8 complete, none with an error; each greedy stream's text equals plain
+    decoding of the same engine and dtype (nothing missing, nothing repeated); each sampled one has all its tokens.
+    Returns the final chunks."""
     texts = benchmark_prompts("humaneval", 4)  # code, and (sampled) long stories: no early end
-    bodies = [{"model": served.name, "prompt": text, "max_tokens": CARRIED_TOKENS, "temperature": 0}
-              for text in texts]
+    bodies = [{"model": served.name, "prompt": text, "max_tokens": tokens, "temperature": 0} for text in texts]
     bodies += [{"model": served.name, "messages": [{"role": "user", "content": f"Write a long story about {topic}."}],
-                "max_tokens": CARRIED_TOKENS, "temperature": 1.0, "top_p": 0.95}
+                "max_tokens": tokens, "temperature": 1.0, "top_p": 0.95}
                for topic in ("a lighthouse keeper", "a mountain railway", "a glassblower", "a river pilot")]
     chunks: list[list[str]] = [[] for _ in bodies]
     with ThreadPoolExecutor(len(bodies)) as pool:
@@ -251,32 +255,79 @@ def test_a_removed_node_loses_no_request(native_cluster, tmp_path):
         wait_for(lambda: [len(pieces) for pieces in chunks], 300, "every stream's first tokens",
                  until=lambda seen: all(n >= 2 for n in seen))
         ended = [(body, f.result()) for body, f in zip(bodies, finals) if f.done()]
-        assert not ended, ended  # every stream still running when the node goes
-        run.command("removed", cmd="remove_node", name=lost, timeout_s=120)
+        assert not ended, ended  # every stream still running when its replica goes
+        during()
         finals = [f.result(timeout=600) for f in finals]
     assert all("error" not in final and final["choices"][0]["finish_reason"] for final in finals), finals
-    plain = build_engine(served, speculate=False, backend="native")
     expected = plain.generate([encode_prompt(plain.tokenizer, text, chat=False) for text in texts],
-                              SamplingParams(max_tokens=CARRIED_TOKENS, temperature=0.0))
+                              SamplingParams(max_tokens=tokens, temperature=0.0))
     for pieces, reference in zip(chunks, expected):
         assert "".join(pieces) == plain.tokenizer.decode(reference.token_ids, skip_special_tokens=True)
     for final, pieces in zip(finals[len(texts):], chunks[len(texts):]):
-        usage = final["usage"]
-        assert usage["completion_tokens"] == CARRIED_TOKENS or final["choices"][0]["finish_reason"] == "stop"
+        assert final["usage"]["completion_tokens"] == tokens or final["choices"][0]["finish_reason"] == "stop"
         assert "".join(pieces)
+    return finals
+
+
+def carry_overs(http: str) -> float:
+    """``dspark:request_carry_overs_total`` in the front door's /metrics."""
+    metrics = requests.get(f"{http}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("dspark:request_carry_overs_total"))
+
+
+def engine_replicas(run: ClusterRun) -> dict[str, int]:
+    return run.command("replicas", cmd="replicas")
+
+
+def test_a_drained_replica_hands_its_requests_over(split_app):
+    """Two engine replicas behind the front door, 8 streams over them; the engine deployment is scaled down to one
+    replica by a lightweight config update (as KubeRay applies a changed serveConfigV2, or the autoscaler decides):
+    Serve drains a replica, which keeps decoding for its grace period (``serving.drain_grace_s``) and is then
+    stopped with streams still running. Its requests are carried over to the other replica: 8/8 complete, greedy
+    equal to plain decoding, the carry-overs counted; the front door and the other replica were never restarted."""
+    run, served, plain = split_app
+    before = replica_healths(run.http, 2)
+    front = next(iter(before.values()))["front_door"]["replica"]
+    carried = carry_overs(run.http)
+    carried_streams(run, served, plain, DRAINED_TOKENS, lambda: run.command("scaled", cmd="scale", replicas=1))
+    wait_for(lambda: engine_replicas(run), 120, "one engine replica left",
+             until=lambda states: states == {"RUNNING": 1}, interval_s=0.5)
+    (kept, health), = replica_healths(run.http, 1).items()
+    assert kept in before and health["front_door"]["replica"] == front  # nothing else was restarted
+    assert 1 <= carry_overs(run.http) - carried <= 8  # the drained replica's streams, carried over
+
+
+def test_a_removed_node_loses_no_request(split_app):
+    """One engine replica behind the front door (after the drain above), its drafter on the drafter node; 8 streams
+    (4 greedy, 4 sampled) run on it and its node is removed mid-stream (raylet and processes killed, as a lost host).
+    Serve starts a replacement on the other replica node, and the front door carries every request over to it with
+    the prompt plus the tokens already sent: 8/8 streams complete, greedy equal to plain decoding, each stream
+    carried over once, counted in /metrics and /health. Last of the native app: the node stays removed."""
+    run, served, plain = split_app
+    run.command("scaled", cmd="scale", replicas=1)  # as the drain above left it (a no-op after it)
+    wait_for(lambda: engine_replicas(run), 120, "one engine replica", until=lambda states: states == {"RUNNING": 1},
+             interval_s=0.5)
+    health = next(iter(replica_healths(run.http, 1).values()))
+    where, front = health["nodes"], health["front_door"]
+    assert front["node"] == run.nodes["head"] and where["drafter"] == run.nodes["c"], (front, where)
+    lost = next(name for name in ("a", "b") if run.nodes[name] == where["replica"])
+    carried = carry_overs(run.http)
+    carried_streams(run, served, plain, CARRIED_TOKENS,
+                    lambda: run.command("removed", cmd="remove_node", name=lost, timeout_s=120))
     after = next(iter(replica_healths(run.http, 1).values()))
     assert after["nodes"]["replica"] != where["replica"]  # the replacement, on the other replica node
-    metrics = requests.get(f"{run.http}/metrics", timeout=30).text
-    carried = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                  if line.startswith("dspark:request_carry_overs_total"))
-    assert carried >= len(bodies) and after["front_door"]["carry_overs"] == carried, (carried, after["front_door"])
+    now = carry_overs(run.http)
+    assert now - carried >= 8 and after["front_door"]["carry_overs"] == now, (now, carried, after["front_door"])
 
 
 def test_degraded_acceptance_adds_a_replica_on_a_node_added_at_run_time(native_cluster, tmp_path):
     """The acceptance-driven autoscaler (``tests/acceptance_load.py``'s load, on the native engine) on this cluster
-    after the node removal above: one replica node is left, and each replica asks for its ``dspark_replica`` resource,
-    so the second replica that degraded acceptance asks for has nowhere to start. A node added while the app runs (as
-    KubeRay's autoscaler adds a worker pod) receives it; when the load ends Serve removes a replica again."""
+    after the node removal above: one replica node is left, and each replica asks for its ``dspark_replica`` resource.
+    At greedy acceptance one replica carries the offered load (no second one is asked for); when acceptance falls
+    (temperature 1.5, same request rate) the policy asks for a second replica, which has nowhere to start until a
+    node is added while the app runs (as KubeRay's autoscaler adds a worker pod); it starts there. When the load ends
+    Serve removes a replica again."""
     run, _ = native_cluster
     config = write_variant(
         load_engine_config(REPO / "configs" / "embedded.yaml"), tmp_path / "autoscaled.yaml",
@@ -289,18 +340,21 @@ def test_degraded_acceptance_adds_a_replica_on_a_node_added_at_run_time(native_c
 
     first = health()["nodes"]["replica"]
     offered = offered_load(run.http, health)
-    load = OpenLoop(run.http, rate=offered / ACCEPTANCE_TOKENS, temperature=1.5)  # low acceptance from the start
+    load = OpenLoop(run.http, rate=offered / ACCEPTANCE_TOKENS)  # greedy: lookup's drafts are accepted
     try:
-        wait_for(lambda: run.command("replicas", cmd="replicas"), 180, "Serve to ask for a second replica",
+        holds(lambda: engine_replicas(run), GREEDY_HOLD_S, "one replica while acceptance is high",
+              until=lambda states: states == {"RUNNING": 1})
+        load.temperature = 1.5  # the same request rate; lookup's proposals now find nothing to draft
+        wait_for(lambda: engine_replicas(run), 180, "Serve to ask for a second replica",
                  until=lambda states: sum(states.values()) >= 2 and states.get("RUNNING", 0) == 1, interval_s=1)
         added = run.command("added", cmd="add_node", name="d",
                             spec={"num_cpus": 2, "resources": {"dspark_replica": 1}}, timeout_s=180)
-        wait_for(lambda: run.command("replicas", cmd="replicas"), 300, "the second replica running",
+        wait_for(lambda: engine_replicas(run), 300, "the second replica running",
                  until=lambda states: states.get("RUNNING", 0) == 2, interval_s=1)
         nodes = {h["nodes"]["replica"] for h in replica_healths(run.http, 2).values()}
         assert nodes == {first, added}, (nodes, first, added)
     finally:
         load.stop.set()
     assert load.errors == 0
-    wait_for(lambda: run.command("replicas", cmd="replicas"), 300, "one replica again once the load ended",
+    wait_for(lambda: engine_replicas(run), 300, "one replica again once the load ended",
              until=lambda states: states == {"RUNNING": 1}, interval_s=1)

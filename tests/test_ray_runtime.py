@@ -181,12 +181,13 @@ def test_placement_and_config_errors(ray_cluster, tiny_target_dir, tiny_draft_di
 @pytest.mark.slow
 def test_embedded_default_ray_equals_in_process(ray_cluster):
     prepare_target()
-    config = embedded_exact()
+    exact = embedded_exact()
+    config = exact.model_copy(update={"engine": exact.engine.model_copy(update={"max_num_seqs": 4})})
     engine = build_engine(config, backend="native")
-    # 10 prompts: more than max_num_seqs (8), so the Ray path admits, batches and retires as in-process
-    texts = [t for name in ("humaneval", "mbpp", "gsm8k", "mt-bench") for t in benchmark_prompts(name, 3)][:10]
+    # 6 prompts: more than max_num_seqs (4), so the Ray path admits, batches and retires as in-process
+    texts = [t for name in ("humaneval", "mbpp", "gsm8k", "mt-bench") for t in benchmark_prompts(name, 2)][:6]
     prompts = [encode_prompt(engine.tokenizer, t, chat=True) for t in texts]
-    params = SamplingParams(max_tokens=16, temperature=0.0)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
     expected = [r.token_ids for r in engine.generate(prompts, params)]
     router, outputs, stats = run_router(config, prompts, params)
     assert outputs == expected

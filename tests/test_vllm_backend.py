@@ -17,6 +17,7 @@ import pytest
 import requests
 import torch
 
+from deploy.autoscaling import METRICS
 from dspark.builder import build_engine
 from dspark.config import SamplingParams
 from dspark.dtype_choice import choose_dtype
@@ -43,6 +44,7 @@ HTTP_PORT, GRPC_PORT = 8200, 9200
 # rounding step 0.06-0.25, compounded over 30 layers); fp32 keeps 24 (steps ~1e-6, compounded ~1e-4)
 NEAR_TIE = {"bfloat16": 0.5, "float32": 0.01}
 BF16_EMULATED_PROMPTS = 8
+SERVED_PROMPTS = 8  # served one at a time (the offline comparison below keeps all 20)
 
 
 @pytest.fixture(scope="module")
@@ -91,15 +93,20 @@ def offline(app, plain_vllm_fp32, tmp_path_factory) -> list[list[int]]:
 
 
 def test_served_greedy_equals_offline_vllm(app, client, offline):
-    """20 prompts through the served path (HTTP, the front door, the serving loop, vLLM's engine in the replica)
-    give the replies offline vLLM gives with the same engine arguments, token for token (compared as text: the
-    API returns text; the offline ids decoded by the same tokenizer)."""
+    """``SERVED_PROMPTS`` of the shared prompts (one from each set and more) through the served path (HTTP, the front
+    door, the serving loop, vLLM's engine in the replica) give the replies offline vLLM gives with the same engine
+    arguments, token for token (compared as text: the API returns text; the offline ids decoded by the same
+    tokenizer). The replica then reports what the acceptance autoscaler reads of it, from vLLM's engine: acceptance 1
+    (no speculation here) and a measured step time."""
     tokenizer = load_tokenizer(app.config.resolve(app.config.target.path))
-    for text, ids in zip(shared_texts(), offline):
+    for text, ids in zip(shared_texts(SERVED_PROMPTS), offline):
         reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
                                                max_tokens=MAX_TOKENS, temperature=0)
         assert reply.usage.completion_tokens == len(ids)
         assert reply.choices[0].message.content == tokenizer.decode(ids, skip_special_tokens=True), text[:80]
+    stats = requests.get(f"{app.http}/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert set(METRICS) <= set(stats["autoscaling"]), stats["autoscaling"]
+    assert stats["autoscaling"]["acceptance_length"] == 1.0 and stats["autoscaling"]["step_seconds"] > 0
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
