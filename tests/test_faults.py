@@ -314,7 +314,7 @@ def test_a_client_that_stops_reading_does_not_stall_others(app, model):
 def test_soak_with_cancellations_leaks_nothing(app):
     from benchmarks.soak import run
 
-    duration = float(os.environ.get("DSPARK_SOAK_SECONDS", "45"))
+    duration = float(os.environ.get("DSPARK_SOAK_SECONDS", "30"))
     report = run(HTTP, duration, workers=3, max_tokens=32, rss_bound_mib=256.0, warmup_s=10.0)
     assert report["requests"] >= 6
     assert report["unanswered"] == [] and report["answered_more_than_once"] == []
