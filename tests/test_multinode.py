@@ -239,11 +239,10 @@ def split_app(native_cluster, tmp_path_factory):
     return run, served, build_engine(served, speculate=False, backend="native")
 
 
-def carried_streams(run: ClusterRun, served, plain, tokens: int, during) -> list[dict]:
+def carried_streams(run: ClusterRun, served, plain, tokens: int, during) -> None:
     """8 streams (4 greedy, 4 sampled) through the front door; ``during()`` once every stream has sent its first
     tokens and none has ended. Then: 8/8 complete, none with an error; each greedy stream's text equals plain
-    decoding of the same engine and dtype (nothing missing, nothing repeated); each sampled one has all its tokens.
-    Returns the final chunks."""
+    decoding of the same engine and dtype (nothing missing, nothing repeated); each sampled one has all its tokens."""
     texts = benchmark_prompts("humaneval", 4)  # code, and (sampled) long stories: no early end
     bodies = [{"model": served.name, "prompt": text, "max_tokens": tokens, "temperature": 0} for text in texts]
     bodies += [{"model": served.name, "messages": [{"role": "user", "content": f"Write a long story about {topic}."}],
@@ -266,7 +265,6 @@ def carried_streams(run: ClusterRun, served, plain, tokens: int, during) -> list
     for final, pieces in zip(finals[len(texts):], chunks[len(texts):]):
         assert final["usage"]["completion_tokens"] == tokens or final["choices"][0]["finish_reason"] == "stop"
         assert "".join(pieces)
-    return finals
 
 
 def carry_overs(http: str) -> float:
