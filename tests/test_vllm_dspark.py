@@ -285,6 +285,60 @@ def test_vllm_cpu_expand_is_fixed():
     assert expand_batch_to_tokens(values, cu, 5, -1, 1).tolist() == [0.5, 0.5, 2.0, 2.0, 2.0]
 
 
+def test_sort_free_top_k_top_p_keeps_vllms_set(fp32_config):
+    """The plugin's sort-free top-k/top-p (``plugin.apply_top_k_top_p``, installed in vLLM's CPU sampler and
+    rejection sampler) keeps, row by row, the logits vLLM's full sort keeps, on the embedded target's own bf16 logits
+    (many exact ties) over 12 settings of temperature, top-p and top-k: a row may differ only by float rounding of
+    the cumulative mass at the cut (mass before the boundary token within 1e-5 of p in float64), and such rows are
+    counted. Where the cut runs through equal logits, the lower token ids are kept."""
+    import transformers
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.ops import topk_topp_sampler
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from dspark.integrations.vllm_0_32.plugin import apply_top_k_top_p, register_plugin
+
+    register_plugin()
+    assert rejection_sampler.apply_top_k_top_p is apply_top_k_top_p is topk_topp_sampler.apply_top_k_top_p
+    path = fp32_config.resolve(fp32_config.target.path)
+    tok = load_tokenizer(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    ids = torch.tensor([sum((p[:100] for p in shared_prompts(tok, 3)), [])])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()  # [300, V]
+    rows, vocab = logits.shape
+    gen = torch.Generator().manual_seed(0)
+    compared = near = 0
+    for temperature, top_p, use_k in itertools.product((0.7, 1.0, 1.3), (0.8, 0.95), (False, True)):
+        scaled = logits / temperature
+        k = torch.randint(1, 300, (rows,), generator=gen) if use_k else None
+        if use_k:
+            k[::3] = vocab  # off for a third of the rows
+        p = torch.full((rows,), top_p)
+        want = apply_top_k_top_p_pytorch(scaled.clone(), k, p, allow_cpu_sync=True)
+        got = apply_top_k_top_p(scaled.clone(), k, p)
+        for r in range(rows):
+            compared += 1
+            kept_want, kept_got = torch.isfinite(want[r]), torch.isfinite(got[r])
+            assert torch.equal(got[r][kept_got], scaled[r][kept_got])  # kept logits unchanged
+            if torch.equal(scaled[r][kept_want].sort().values, scaled[r][kept_got].sort().values):
+                continue
+            row = scaled[r].double()
+            if k is not None and k[r] < vocab:
+                row = row.masked_fill(row < row.topk(int(k[r])).values[-1], float("-inf"))
+            probs = row.softmax(-1).sort(descending=True).values
+            before = probs.cumsum(-1) - probs
+            assert (before - top_p).abs().min() < 1e-5, (temperature, top_p, use_k, r)
+            near += 1
+    assert compared == 12 * rows and near <= compared // 200, near
+    tied = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0]])  # a cut of top-k 3 through three equal logits
+    assert torch.isfinite(apply_top_k_top_p(tied.clone(), torch.tensor([2]), None)).tolist() == [
+        [True, False, True, True, True, False]]  # top-k keeps every tie, as vLLM does
+    probs = tied.softmax(-1)[0]
+    kept = torch.isfinite(apply_top_k_top_p(tied.clone(), None, torch.tensor([float(probs[0] + probs[2]) + 1e-3])))
+    assert kept.tolist() == [[True, False, True, True, False, False]]  # top-p: the lower ids of the tie
+
+
 # ------------------------------------------------------------------------------- seeded requests, chunked prefill
 def test_seeded_requests_whose_prefill_is_chunked_sample_what_they_sample_alone(fp32_config, tmp_path):
     """vllm-cpu 0.32 rewinds the random generator of a request still prefilling with a CUDA-only call, so a seeded
