@@ -398,8 +398,8 @@ class SamplingParams:
     @property
     def pinned(self) -> bool:
         """A seeded sampled request: what it drafts and how much of it is verified follow its own record and fixed
-        rules only (no draft gate, the full block, no load-aware switch), so the same seed gives the same tokens
-        alone or beside any other traffic."""
+        rules only (the draft gate's fixed bar ``pinned_break_even``, the full block, no load-aware switch), so the
+        same seed gives the same tokens alone or beside any other traffic."""
         return self.seed is not None and not self.greedy
 
 
@@ -419,6 +419,7 @@ class EngineConfig:
     dtype: str = "float32"
     profile_max_tokens: int = 64
     draft_gate: bool = False  # skip drafting for a request while its recent drafts do not pay (draft_gate.py)
+    pinned_break_even: float = 0.0  # with the gate: a seeded sampled request's fixed bar (0: it always drafts)
     draft_sources: Literal["head", "lookup", "hybrid"] = "head"  # where drafts come from (decoding/sources.py)
 
     def __post_init__(self) -> None:

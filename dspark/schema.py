@@ -139,6 +139,13 @@ class EngineSpec(_Strict):
         False, description="Per request, decode without drafting while the draft tokens its recent blocks "
                            "accepted stay below the profiled break-even, probing again after 2, 4 ... 16 plain "
                            "rounds (lossless: the choice depends only on rounds already verified).")
+    pinned_break_even: float = Field(
+        0.0, ge=0, le=64, description="With the draft gate: the draft tokens a seeded sampled request's own head "
+                                      "drafts must accept on average (moving average, as the gate's) for it to keep "
+                                      "drafting from the head, probing again after 2, 4 ... 16 of its own plain "
+                                      "rounds. A fixed bar, never the server's measured costs, so that the same seed "
+                                      "gives the same tokens whatever else runs; 0: seeded sampled requests always "
+                                      "draft.")
 
     draft_sources: Literal["head", "lookup", "hybrid"] = Field(
         "head", description="Where drafts come from (the native engine, and our proposer in vLLM: vllm_speculation "

@@ -92,6 +92,29 @@ def test_greedy_rows_probe_on_the_same_rounds_and_share_a_draft_pass():
     assert DraftGate.clock_of(7, greedy=False) is None
 
 
+def test_a_pinned_row_weighs_its_own_record_against_the_fixed_bar():
+    """A seeded sampled row (pinned) ignores the measured break-even, whatever it is, for the configured fixed bar,
+    and backs off over its own rounds: the same record gives the same decisions on any server."""
+    config = DraftGateConfig(smoothing=0.5, initial_accepted=1.0, max_backoff=4, pinned_break_even=0.6)
+    for measured in (0.1, 5.0):
+        gate = DraftGate(measured, config)
+        state = gate.new_state()
+        decisions = []
+        for accepted in (0, 0, 0, 3, 3):  # average 0.5, 0.25, 0.125: below 0.6; then 1.56: above
+            rounds = 0
+            while not gate.wants_draft(state, rows=8, pinned=True):
+                rounds += 1
+            decisions.append(rounds)
+            gate.record(state, accepted, rows=8, pinned=True)
+        assert decisions == [0, 1, 2, 4, 0]  # plain rounds before each drafted round: 1, 2, 4 while below the bar
+        assert gate.wants_draft(state, pinned=True) and gate.at(8, pinned=True) == 0.6
+    always = DraftGate(5.0, DraftGateConfig())  # pinned_break_even 0: a pinned row always drafts
+    state = always.new_state()
+    for _ in range(5):
+        always.record(state, 0, pinned=True)
+        assert always.wants_draft(state, pinned=True)
+
+
 def test_bad_gate_settings_name_the_field():
     with pytest.raises(ConfigError, match="draft_gate.smoothing"):
         DraftGateConfig(smoothing=0)

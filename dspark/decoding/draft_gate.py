@@ -17,7 +17,10 @@ block, a list, a quotation) gets its drafts back. Greedy rows probe in step: a r
 ``w`` rounds (a power of two) probes on the rounds of the engine's clock that are multiples of
 ``w``, so the probes of a batch's held-back rows fall on the same rounds and share one draft
 pass (eight rows drafting together cost about 2.4 times one row on a CPU, not 8 times). A
-sampled row counts its own rounds, so its draws do not depend on when it joined the batch.
+sampled row counts its own rounds, so its draws do not depend on when it joined the batch. A
+pinned row (seeded and sampled: the same seed must give the same tokens whatever else runs)
+weighs its own record against a fixed configured bar (``pinned_break_even``) instead of the
+measured costs.
 
 The decision depends only on rounds already verified, never on the tokens being decided, so
 it changes how fast a request is decoded and never what is decoded (greedy output stays the
@@ -44,6 +47,9 @@ class DraftGateConfig:
     # is known not to pay on this traffic, and a probe costs a draft pass that first catches up the request's
     # context: on a 2-core CPU in fp32 ~60 ms, a target step, for ~0.6 accepted tokens)
     pooled_backoff: int = 64
+    # a pinned row's bar (a seeded sampled request, ``RowParams.pinned``): its draws follow what it drafts, so its
+    # gate weighs its own record against this fixed number, never the server's measured costs (0: it always drafts)
+    pinned_break_even: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.smoothing <= 1:
@@ -54,6 +60,8 @@ class DraftGateConfig:
             raise ConfigError("draft_gate.max_backoff", f"must be >= 1, got {self.max_backoff}")
         if self.pooled_backoff < 1:
             raise ConfigError("draft_gate.pooled_backoff", f"must be >= 1, got {self.pooled_backoff}")
+        if self.pinned_break_even < 0:
+            raise ConfigError("pinned_break_even", f"must be >= 0, got {self.pinned_break_even}")
 
 
 @dataclass
@@ -105,8 +113,11 @@ class DraftGate:
         drafts, and with it its draws, must not depend on when it joined the batch)."""
         return clock if greedy else None
 
-    def at(self, rows: int) -> float:
-        """The break-even of a round with ``rows`` requests decoding together."""
+    def at(self, rows: int, pinned: bool = False) -> float:
+        """The break-even of a round with ``rows`` requests decoding together; a pinned row's: the configured fixed
+        bar (``DraftGateConfig.pinned_break_even``)."""
+        if pinned:
+            return self.config.pinned_break_even
         if rows <= 1 or self._by_rows is None:
             return self.break_even
         if rows not in self._at:
@@ -125,10 +136,11 @@ class DraftGate:
             return GateState(accepted)
         return GateState(accepted, wait=0, backoff=self.config.pooled_backoff, period=1)
 
-    def wants_draft(self, state: GateState, rows: int = 1, clock: int | None = None) -> bool:
+    def wants_draft(self, state: GateState, rows: int = 1, clock: int | None = None, pinned: bool = False) -> bool:
         """Whether the request drafts this round (call once per round), in a round of ``rows`` requests;
-        ``clock``: the engine's round count, for probes on its multiples of the request's wait (``clock_of``)."""
-        if state.accepted >= self.at(rows):
+        ``clock``: the engine's round count, for probes on its multiples of the request's wait (``clock_of``);
+        ``pinned``: a seeded sampled row (its fixed bar, its own rounds)."""
+        if state.accepted >= self.at(rows, pinned):
             return True
         if clock is not None:
             return clock % state.period == 0
@@ -137,12 +149,12 @@ class DraftGate:
             return False
         return True  # a probe
 
-    def record(self, state: GateState, accepted: int, rows: int = 1) -> None:
+    def record(self, state: GateState, accepted: int, rows: int = 1, pinned: bool = False) -> None:
         """A drafted round of the request (``rows`` requests in it) was verified with ``accepted`` draft tokens
         kept."""
         alpha = self.config.smoothing
         state.accepted = (1 - alpha) * state.accepted + alpha * accepted
-        if state.accepted >= self.at(rows):
+        if state.accepted >= self.at(rows, pinned):
             state.backoff, state.wait, state.period = 1, 0, 1
         else:
             state.wait = state.period = state.backoff

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.config import ConfigError, EngineConfig, SamplingParams
-from dspark.decoding.draft_gate import DraftGate, PooledAcceptance
+from dspark.decoding.draft_gate import DraftGate, DraftGateConfig, PooledAcceptance
 from dspark.decoding.drafter import Drafter
 from dspark.decoding.metrics import SpecMetrics
 from dspark.decoding.request import Request, RequestOutput, Status
@@ -143,7 +143,8 @@ class Engine:
         self.profile = profile
         if self.drafter is not None and (config.scheduler == "confidence" or config.draft_gate) and profile is None:
             self.profile = self.measure_profile()
-        self.gate = (DraftGate.from_profile(self.profile, self.block_size)
+        self.gate = (DraftGate.from_profile(self.profile, self.block_size,
+                                            DraftGateConfig(pinned_break_even=config.pinned_break_even))
                      if self.drafter is not None and config.draft_gate else None)
         self.head_pool = PooledAcceptance()  # greedy requests' drafted rounds: where a new one's gate starts
         # engine.draft_sources: the head, prompt lookup, or per request and round the one expected to pay more
@@ -250,7 +251,7 @@ class Engine:
                 continue
             batch = DraftGate.batch_of(len(requests), request.params.greedy)
             clock = DraftGate.clock_of(self.num_steps, request.params.greedy)
-            if request.gate is None or request.params.pinned or self.gate.wants_draft(request.gate, batch, clock):
+            if request.gate is None or self.gate.wants_draft(request.gate, batch, clock, request.params.pinned):
                 drafting.append(request)
             else:
                 request.metrics.draft_skips += 1
@@ -481,7 +482,7 @@ class Engine:
                     self.sources.record(request.sources, lengths[b], accepted, request.params.greedy)
             if has_block[b] and request.gate is not None and source == "head":
                 batch = DraftGate.batch_of(len(round_.requests), request.params.greedy)
-                self.gate.record(request.gate, accepted, batch)
+                self.gate.record(request.gate, accepted, batch, request.params.pinned)
                 if request.params.greedy:
                     self.head_pool.observe(accepted)
             request.metrics.record_round(drafted, lengths[b], accepted, source)

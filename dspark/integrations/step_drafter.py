@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.config import GREEDY_BELOW
-from dspark.decoding.draft_gate import DraftGate, GateState, PooledAcceptance
+from dspark.decoding.draft_gate import DraftGate, DraftGateConfig, GateState, PooledAcceptance
 from dspark.decoding.drafter import DrafterUnavailable, DraftInputs
 from dspark.decoding.sampling import SamplingTensors
 from dspark.decoding.scheduler import StepCostProfile, schedule_full, schedule_prefix
@@ -46,8 +46,9 @@ class RowParams:
     @property
     def pinned(self) -> bool:
         """A seeded sampled request: its draws depend on what it drafts and how much of it is verified, so those
-        follow its own record and fixed rules only (no gate, no start-up calibration, the full block) and never
-        the server's measured costs or other requests: the same seed gives the same tokens alone or in any batch."""
+        follow its own record and fixed rules only (the gate's fixed bar, no start-up calibration, the full block)
+        and never the server's measured costs or other requests: the same seed gives the same tokens alone or in
+        any batch."""
         return self.seed is not None and not self.greedy
 
 
@@ -194,14 +195,16 @@ class StepDrafter:
     until :meth:`attach` gives one."""
 
     def __init__(self, drafter, block_size: int, seed: int = 0, scheduler: str = "full", draft_gate: bool = False,
-                 calibration_steps: int = 6, sources: str = "head", vocab_size: int | None = None):
+                 calibration_steps: int = 6, sources: str = "head", vocab_size: int | None = None,
+                 pinned_break_even: float = 0.0):
         """``scheduler``: 'full' (every drafted token verified) or 'confidence' (Algorithm 1 over the measured cost
         table, full blocks until it has one); ``draft_gate``: per request, skip drafting below the measured
         break-even; ``calibration_steps``: plain decode steps at start-up that measure the cost of a plain step
         (only when the gate or the confidence scheduler needs the table); ``sources``: 'head' (the DSpark head),
         'lookup' (prompt lookup only) or 'hybrid' (per request and step, the source with more expected accepted
         tokens per unit of step cost: :meth:`_choose`); ``vocab_size``: the target's, for lookup drafts' one-point
-        distributions when no head draft gives the shape."""
+        distributions when no head draft gives the shape; ``pinned_break_even``: with the gate, a pinned row's fixed
+        bar (``DraftGateConfig.pinned_break_even``)."""
         self.choice = DraftSources(sources, block_size)
         self.sources, self.vocab_size = sources, vocab_size
         self.drafter, self.block_size = drafter, block_size
@@ -209,6 +212,9 @@ class StepDrafter:
         self.costs = MeasuredCosts()
         self.calibration_left = calibration_steps if (draft_gate or scheduler == "confidence") else 0
         self.gate: DraftGate | None = None  # built once the cost table exists
+        self.gate_config = DraftGateConfig(pinned_break_even=pinned_break_even)
+        # pinned rows' gate: a fixed bar from their first step, whenever the cost table fills in
+        self.pinned_gate = DraftGate(0.0, self.gate_config) if draft_gate else None
         self._gate_profile: StepCostProfile | None = None
         self.seeds = torch.Generator().manual_seed(seed)  # seeds of requests that bring none
         self.sequences: dict[str, _Sequence] = {}
@@ -335,11 +341,13 @@ class StepDrafter:
                 if committed and rid in self._lost and rows.params[i].speculate:
                     self.stats.drafter_fallbacks += 1
                 continue
-            if seq.gate is None and self.gate is not None:
-                seq.gate = self.gate.new_state(self.head_pool.value if rows.params[i].greedy else None)
+            pinned = rows.params[i].pinned
+            if seq.gate is None and (self.pinned_gate if pinned else self.gate) is not None:
+                seq.gate = (self.pinned_gate if pinned else self.gate).new_state(
+                    self.head_pool.value if rows.params[i].greedy else None)
             batch = DraftGate.batch_of(decoding, rows.params[i].greedy)
             if rows.num_drafted[i] and committed:
-                self._record(seq, rows.num_drafted[i], len(committed) - 1, batch, rows.params[i].greedy)
+                self._record(seq, rows.num_drafted[i], len(committed) - 1, batch, rows.params[i])
             if committed:
                 self.choice.extend(seq.row, committed)
             kept = rows.num_scheduled[i] if not committed else rows.num_scheduled[i] - rows.num_drafted[i] + \
@@ -362,8 +370,8 @@ class StepDrafter:
             if self.sources == "lookup":
                 continue
             clock = DraftGate.clock_of(self.stats.steps, rows.params[i].greedy)
-            if seq.gate is not None and not rows.params[i].pinned and not self.gate.wants_draft(seq.gate, batch,
-                                                                                                 clock):
+            gate = self.pinned_gate if pinned else self.gate
+            if seq.gate is not None and not gate.wants_draft(seq.gate, batch, clock, pinned):
                 self.stats.gate_skips += 1
                 continue
             drafting.append(i)
@@ -505,13 +513,13 @@ class StepDrafter:
             flight.lookup_conf[i] = choice.conditionals
             flight.lookup_budget[i] = min(len(choice.tokens), rows.params[i].max_total_tokens - seq.context - 1)
 
-    def _record(self, seq: _Sequence, drafted: int, accepted: int, batch: int, greedy: bool) -> None:
+    def _record(self, seq: _Sequence, drafted: int, accepted: int, batch: int, params: RowParams) -> None:
         """A draft of the request was verified: ``accepted`` of its ``drafted`` tokens kept."""
-        if self.choice.record(seq.row, drafted, accepted, greedy) == "lookup":
+        if self.choice.record(seq.row, drafted, accepted, params.greedy) == "lookup":
             return
         if seq.gate is not None:
-            self.gate.record(seq.gate, accepted, batch)
-        if greedy:
+            (self.pinned_gate if params.pinned else self.gate).record(seq.gate, accepted, batch, params.pinned)
+        if params.greedy:
             self.head_pool.observe(accepted)
 
     def _refresh_gate(self) -> None:
@@ -523,7 +531,8 @@ class StepDrafter:
         if profile is None or profile == self._gate_profile:
             return
         self._gate_profile = profile
-        self.gate = DraftGate.from_profile(profile, self.block_size, draft_seconds=self.costs.draft_seconds_at)
+        self.gate = DraftGate.from_profile(profile, self.block_size, self.gate_config,
+                                           draft_seconds=self.costs.draft_seconds_at)
 
     @property
     def profile(self) -> StepCostProfile | None:
