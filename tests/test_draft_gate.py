@@ -28,8 +28,9 @@ def test_the_bar_rises_with_the_batch_where_verifying_more_tokens_costs_more():
     gate.record(state, 1, rows=8)  # still 1.0: below the batch's bar, so it waits before its next probe
     assert not gate.wants_draft(state, rows=8)
     assert gate.wants_draft(state, rows=1)  # alone again, the same record pays
-    # a sampled row's bar is the one-row bar whatever its batch (its draws depend on whether it drafts)
-    assert DraftGate.batch_of(8, greedy=True) == 8 and DraftGate.batch_of(8, greedy=False) == 1
+    # a pinned row's bar is the one-row bar whatever its batch (its draws depend on whether it drafts); greedy and
+    # unseeded sampled rows weigh their batch
+    assert DraftGate.batch_of(8, pinned=False) == 8 and DraftGate.batch_of(8, pinned=True) == 1
     # without a draft cost by rows the profile's one draft cost is used
     flat = DraftGate.from_profile(profile, block_size=7)
     assert flat.at(8) == pytest.approx((0.050 + 0.004) / 0.014 - 1)
@@ -68,7 +69,7 @@ def test_backoff_doubles_while_drafts_do_not_pay_and_resets_when_they_do():
 def test_greedy_rows_probe_on_the_same_rounds_and_share_a_draft_pass():
     # two greedy rows that never accept a token, the second joining three rounds later: their waits double to the
     # cap (4) and, kept on the engine's clock, their probes fall on the same rounds (multiples of 4), one draft
-    # pass for both; on their own counters (sampled rows) they stay three rounds apart
+    # pass for both; on their own counters (pinned rows) they stay three rounds apart
     gate = DraftGate(0.8, DraftGateConfig(smoothing=0.5, initial_accepted=1.0, max_backoff=4))
 
     def probes(aligned: bool) -> list[set[int]]:
@@ -78,7 +79,7 @@ def test_greedy_rows_probe_on_the_same_rounds_and_share_a_draft_pass():
             if clock == 3:
                 states[1] = gate.new_state()
             for row, state in states.items():
-                if gate.wants_draft(state, clock=DraftGate.clock_of(clock, greedy=aligned)):
+                if gate.wants_draft(state, clock=DraftGate.clock_of(clock, pinned=not aligned)):
                     rounds[row].add(clock)
                     gate.record(state, 0)
         return rounds
@@ -89,7 +90,7 @@ def test_greedy_rows_probe_on_the_same_rounds_and_share_a_draft_pass():
     apart = probes(aligned=False)
     assert {c for c in apart[0] if c >= 8}.isdisjoint({c for c in apart[1] if c >= 8})
     assert len(first | second) < len(apart[0] | apart[1])  # fewer rounds with a draft pass
-    assert DraftGate.clock_of(7, greedy=False) is None
+    assert DraftGate.clock_of(7, pinned=True) is None and DraftGate.clock_of(7, pinned=False) == 7
 
 
 def test_a_pinned_row_weighs_its_own_record_against_the_fixed_bar():
@@ -146,25 +147,29 @@ def test_the_hybrid_takes_lookup_only_where_it_beats_both_the_head_and_plain_dec
 
     # the prior (survival 0.7, 0.53, 0.42, 0.36, 0.30, 0.26, 0.22): E = 2.79 over 7 tokens; (1 + 2.79) / 45 ms =
     # 84 tok/s against plain 100 tok/s: lookup loses to plain decoding, though it beats the head (1.2 / 49 ms)
-    assert drafter._choose(sequence(), 7, params) is None
+    assert drafter._choose(sequence(), 7, params, 1) is None
     for _ in range(6):  # other requests' 2-token matches kept every token: P(kept) ~0.93 each, E ~5.4: 142 tok/s
         drafter.choice.lookup_stats.record(2, True, 7, 7)
-    assert drafter._choose(sequence(), 7, params).tokens == [7, 8, 9, 10, 11, 12, 5]
+    assert drafter._choose(sequence(), 7, params, 1).tokens == [7, 8, 9, 10, 11, 12, 5]
+    for _ in range(3):  # 15 tokens 90 ms: in a batch of 8 the same draft gives (8 + 5.4) / 90 ms = 149 tok/s
+        drafter.costs.record(15, 0.090)  # against plain 8 / 45 ms = 178 tok/s: the bar rises with the batch
+    assert drafter._choose(sequence(), 7, params, 8) is None
+    assert drafter._choose(sequence(), 7, params, 1) is not None
     drafter.choice.lookup_stats.record(3, True, 7, 0)  # another match length's record is another estimate
     drafter.choice.lookup_stats.record(2, False, 7, 0)  # and sampled rows' records another
-    assert drafter._choose(sequence(), 7, params) is not None
+    assert drafter._choose(sequence(), 7, params, 1) is not None
     # a seeded sampled row goes by its own drafts and the prior, whatever other requests verified
     pinned = RowParams(temperature=1.0, top_p=1.0, top_k=0, seed=7, max_total_tokens=1000)
     assert pinned.pinned
     seq = sequence()
     seq.row.head_accepted = 3.0  # E = 2.79 < 3.0: the head's turn
-    assert drafter._choose(seq, 7, pinned) is None
+    assert drafter._choose(seq, 7, pinned, 1) is None
     for _ in range(6):
         seq.row.record.record(7, 7)
-    assert drafter._choose(seq, 7, pinned) is not None
+    assert drafter._choose(seq, 7, pinned, 1) is not None
     # before any cost table (and for sampled rows): lookup when its expected accepted tokens reach the head's
     fresh = StepDrafter(None, block_size=7, sources="hybrid")
-    assert fresh._choose(_Sequence(torch.Generator(), fresh.choice.new_row(prompt)), 7, params) is not None
+    assert fresh._choose(_Sequence(torch.Generator(), fresh.choice.new_row(prompt)), 7, params, 1) is not None
 
 
 def test_a_new_greedy_request_starts_from_what_the_servers_head_accepted():

@@ -99,19 +99,19 @@ class DraftGate:
         return cls(at(1), config, at)
 
     @staticmethod
-    def batch_of(rows: int, greedy: bool) -> int:
-        """The batch a request's gate weighs. A greedy row's tokens are the target's argmax whatever it drafts, so
-        its gate weighs the ``rows`` decoding with it. A sampled row's draws depend on whether it drafts, so its
-        gate reads its own history only (at one row): a seeded request then gives the same tokens alone and in any
-        batch."""
-        return rows if greedy else 1
+    def batch_of(rows: int, pinned: bool) -> int:
+        """The batch a request's gate weighs: the ``rows`` decoding with it (a greedy row's tokens are the target's
+        argmax whatever it drafts; an unseeded sampled row's keep the target's distribution whatever it drafts,
+        and repeat nothing). A pinned row's draws depend on whether it drafts, so its gate reads its own history
+        only (at one row): a seeded request then gives the same tokens alone and in any batch."""
+        return 1 if pinned else rows
 
     @staticmethod
-    def clock_of(clock: int, greedy: bool) -> int | None:
-        """The clock a request's probes keep: the engine's round count for a greedy row (held-back rows of a batch
-        probe on the same rounds and share one draft pass), none for a sampled row (its own rounds: whether it
-        drafts, and with it its draws, must not depend on when it joined the batch)."""
-        return clock if greedy else None
+    def clock_of(clock: int, pinned: bool) -> int | None:
+        """The clock a request's probes keep: the engine's round count (held-back rows of a batch probe on the same
+        rounds and share one draft pass), none for a pinned row (its own rounds: whether it drafts, and with it its
+        draws, must not depend on when it joined the batch)."""
+        return None if pinned else clock
 
     def at(self, rows: int, pinned: bool = False) -> float:
         """The break-even of a round with ``rows`` requests decoding together; a pinned row's: the configured fixed

@@ -242,15 +242,15 @@ class Engine:
         requests = [r for r in requests if r.num_cached > 0]  # prefilled: its context features are committed
         drafting, lookups = [], []
         for request in requests:  # greedy rows: the bar of a round of len(requests) decoding together
-            choice = self._lookup_choice(request)
+            choice = self._lookup_choice(request, len(requests))
             self.sources.taken(request.sources, choice)
             if choice is not None:
                 lookups.append((request, choice))
                 continue
             if self.sources.sources == "lookup":
                 continue
-            batch = DraftGate.batch_of(len(requests), request.params.greedy)
-            clock = DraftGate.clock_of(self.num_steps, request.params.greedy)
+            batch = DraftGate.batch_of(len(requests), request.params.pinned)
+            clock = DraftGate.clock_of(self.num_steps, request.params.pinned)
             if request.gate is None or self.gate.wants_draft(request.gate, batch, clock, request.params.pinned):
                 drafting.append(request)
             else:
@@ -261,16 +261,17 @@ class Engine:
         self.timings["draft"] += time.perf_counter() - t0
         return _Draft(group, requests, drafting, handle, start_ns, lookups)
 
-    def _lookup_choice(self, request: Request) -> LookupChoice | None:
+    def _lookup_choice(self, request: Request, rows: int) -> LookupChoice | None:
         """The request's lookup draft this round, if lookup is its source (``DraftSources.choose``): against its
-        head's expected accepted tokens and, for greedy rows, the profiled costs."""
+        head's expected accepted tokens and, but for pinned rows, the profiled costs at ``rows`` decoding."""
         if self.sources.head_only:
             return None
         head = request.gate.accepted if request.gate is not None else request.sources.head_accepted
-        profile = self.profile if request.params.greedy else None  # a sampled row's choice: its own record only
+        profile = None if request.params.pinned else self.profile  # a pinned row's choice: its own record only
         return self.sources.choose(request.sources, self._max_length(request), request.params.greedy,
                                    request.params.pinned, head, profile,
-                                   profile.draft_seconds if profile is not None else 0.0)
+                                   profile.draft_seconds if profile is not None else 0.0,
+                                   DraftGate.batch_of(rows, request.params.pinned))
 
     def _verify_draft(self, draft: _Draft) -> None:
         """Wait for a group's blocks, schedule the verified prefixes, verify and commit (requests that finished
@@ -481,7 +482,7 @@ class Engine:
                 if lengths[b] > 0:  # a draft verified (as our proposer in vLLM counts them)
                     self.sources.record(request.sources, lengths[b], accepted, request.params.greedy)
             if has_block[b] and request.gate is not None and source == "head":
-                batch = DraftGate.batch_of(len(round_.requests), request.params.greedy)
+                batch = DraftGate.batch_of(len(round_.requests), request.params.pinned)
                 self.gate.record(request.gate, accepted, batch, request.params.pinned)
                 if request.params.greedy:
                     self.head_pool.observe(accepted)

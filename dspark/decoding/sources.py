@@ -89,14 +89,16 @@ class DraftSources:
         return RowSources(None if self.head_only or prompt is None else PromptLookup(prompt))
 
     def choose(self, row: RowSources, k: int, greedy: bool, pinned: bool, head_expected: float,
-               profile: StepCostProfile | None, draft_seconds: float) -> LookupChoice | None:
+               profile: StepCostProfile | None, draft_seconds: float, rows: int = 1) -> LookupChoice | None:
         """The request's lookup draft if lookup is this step's source for it, else None (the head's turn, or
-        nothing). Hybrid: lookup when its expected accepted tokens per second of step are at least the head's —
-        ``(1 + E) / t(1 + k)`` for lookup (no draft pass) against ``(1 + E_head) / (t(1 + G) + d)``, ``t`` from
-        ``profile`` and ``d`` the draft pass (``draft_seconds``) — and at least plain decoding's ``1 / t(1)`` (a
-        lookup below break-even is no better than the head the draft gate would skip: the head's turn then, which
-        the gate decides). Without a profile (none measured yet; sampled rows, whose draws must not depend on the
-        server's timings, pass none): lookup when ``E >= E_head``. ``k``: tokens the request may still verify."""
+        nothing). Hybrid: lookup when the step's expected tokens per second with it are at least with the head's
+        block — ``(R + E) / t(R + k)`` for lookup (no draft pass) against ``(R + E_head) / (t(R + G) + d)``, ``R``
+        the ``rows`` decoding together (the others counted plain), ``t`` from ``profile`` and ``d`` the draft pass
+        (``draft_seconds``) — and at least plain decoding's ``R / t(R)`` (a lookup below break-even is no better
+        than the head the draft gate would skip: the head's turn then, which the gate decides). On a CPU, where
+        the target's step grows with its tokens, the bar rises with the batch. Without a profile (none measured
+        yet; pinned rows, whose draws must not depend on the server's timings or batch, pass none): lookup when
+        ``E >= E_head``. ``k``: tokens the request may still verify."""
         if self.head_only or row.lookup is None or k <= 0:
             return None
         draft = row.lookup.propose(min(k, self.block_size))
@@ -112,10 +114,10 @@ class DraftSources:
         if profile is None:
             take = expected >= head_expected
         else:
-            t = profile.round_seconds(torch.tensor([1, 1 + len(draft.tokens), 1 + self.block_size])) \
+            t = profile.round_seconds(torch.tensor([rows, rows + len(draft.tokens), rows + self.block_size])) \
                 - profile.draft_seconds
-            rate = (1 + expected) / float(t[1])  # tokens per second of step with the lookup draft
-            take = rate >= (1 + head_expected) / (float(t[2]) + draft_seconds) and rate >= 1 / float(t[0])
+            rate = (rows + expected) / float(t[1])  # tokens per second of step with the lookup draft
+            take = rate >= (rows + head_expected) / (float(t[2]) + draft_seconds) and rate >= rows / float(t[0])
         return choice if take else None
 
     def taken(self, row: RowSources, choice: LookupChoice | None) -> None:

@@ -345,7 +345,7 @@ class StepDrafter:
             if seq.gate is None and (self.pinned_gate if pinned else self.gate) is not None:
                 seq.gate = (self.pinned_gate if pinned else self.gate).new_state(
                     self.head_pool.value if rows.params[i].greedy else None)
-            batch = DraftGate.batch_of(decoding, rows.params[i].greedy)
+            batch = DraftGate.batch_of(decoding, rows.params[i].pinned)
             if rows.num_drafted[i] and committed:
                 self._record(seq, rows.num_drafted[i], len(committed) - 1, batch, rows.params[i])
             if committed:
@@ -363,13 +363,13 @@ class StepDrafter:
                 continue
             if not rows.params[i].speculate:
                 continue
-            lookup = self._choose(seq, min(budget, self.block_size), rows.params[i])
+            lookup = self._choose(seq, min(budget, self.block_size), rows.params[i], batch)
             if lookup is not None:
                 lookups[i] = lookup
                 continue
             if self.sources == "lookup":
                 continue
-            clock = DraftGate.clock_of(self.stats.steps, rows.params[i].greedy)
+            clock = DraftGate.clock_of(self.stats.steps, rows.params[i].pinned)
             gate = self.pinned_gate if pinned else self.gate
             if seq.gate is not None and not gate.wants_draft(seq.gate, batch, clock, pinned):
                 self.stats.gate_skips += 1
@@ -497,14 +497,15 @@ class StepDrafter:
         return StepDrafts(tokens, probs, confidences)
 
     # ------------------------------------------------------------------------------------------------ sources
-    def _choose(self, seq: _Sequence, k: int, params: RowParams) -> LookupChoice | None:
+    def _choose(self, seq: _Sequence, k: int, params: RowParams, batch: int) -> LookupChoice | None:
         """The request's lookup draft if lookup is this step's source for it, else None (the head's turn, or
         nothing): :meth:`DraftSources.choose`, against the head's expected accepted tokens (the gate's record,
-        else the request's own average) and, for greedy rows, the measured cost table and draft pass."""
+        else the request's own average) and, but for pinned rows, the measured cost table and draft pass at the
+        ``batch`` decoding (``DraftGate.batch_of``)."""
         head = seq.gate.accepted if seq.gate is not None else seq.row.head_accepted
-        profile = self.costs.profile() if params.greedy else None  # a sampled row's choice: its own record only
+        profile = None if params.pinned else self.costs.profile()  # a pinned row's choice: its own record only
         return self.choice.choose(seq.row, k, params.greedy, params.pinned, head, profile,
-                                  self.costs.draft_seconds_at(1) if profile is not None else 0.0)
+                                  self.costs.draft_seconds_at(1) if profile is not None else 0.0, batch)
 
     def _add_lookups(self, flight: _InFlight, lookups: dict[int, LookupChoice], rows: StepRows) -> None:
         for i, choice in lookups.items():
