@@ -177,18 +177,22 @@ def test_gate_never_holds_back_an_accurate_drafter(tiny_target, tiny_tokenizer, 
 
 def test_gated_sampling_uses_the_requests_generators(tiny_target, tiny_tokenizer, tiny_draft_dir, prompts):
     """Seeded sampled requests give the same tokens alone and in a batch, with the gate on: they are pinned
-    (``SamplingParams.pinned``), so the gate that holds back the same requests unseeded never holds them back."""
+    (``SamplingParams.pinned``), so the gate weighs their own record against the fixed bar
+    (``engine.pinned_break_even``), never the measured costs of their batch: at 0 it never holds them back, above
+    what the head accepts it does, and either way each request's tokens are the same alone and in a batch."""
     params = SamplingParams(max_tokens=32, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
 
-    def run(batch, params=params):
+    def run(batch, params=params, bar=0.0):
         engine = make_engine(tiny_target, tiny_tokenizer, _drafter(tiny_draft_dir, tiny_target),
-                             scheduler="confidence", profile=GATE_PROFILE, draft_gate=True)
+                             scheduler="confidence", profile=GATE_PROFILE, draft_gate=True, pinned_break_even=bar)
         return [r.token_ids for r in engine.generate(batch, params)], engine.metrics.draft_skips
 
     together, skips = run(prompts[:6])
     alone = [run([p])[0][0] for p in prompts[:6]]
     assert skips == 0 and together == alone
     assert all(len(t) == 32 for t in together) and torch.tensor(together).unique().numel() > 20
+    held_together, held_skips = run(prompts[:6], bar=1.5)
+    assert held_skips > 0 and held_together == [run([p], bar=1.5)[0][0] for p in prompts[:6]]
     _, unseeded_skips = run(prompts[:6], SamplingParams(max_tokens=32, temperature=1.0, top_p=0.95, ignore_eos=True))
     assert unseeded_skips > 0  # the gate is on, and holds back these requests when they are not pinned
 
