@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dspark.config import ConfigError
-from dspark.decoding.draft_gate import DraftGate, DraftGateConfig
+from dspark.decoding.draft_gate import DraftGate, DraftGateConfig, GateState
 from dspark.decoding.scheduler import StepCostProfile
 
 
@@ -34,6 +34,21 @@ def test_the_bar_rises_with_the_batch_where_verifying_more_tokens_costs_more():
     # without a draft cost by rows the profile's one draft cost is used
     flat = DraftGate.from_profile(profile, block_size=7)
     assert flat.at(8) == pytest.approx((0.050 + 0.004) / 0.014 - 1)
+
+
+def test_no_probe_where_even_a_full_block_could_not_lift_the_record_over_the_bar():
+    """At a batch of 8 on a CPU the bar is 3.29 tokens: a record of 1.0 stays below it even after a probe that
+    keeps all 7 drafted tokens (0.7 x 1.0 + 0.3 x 7 = 2.8), so the probe (a draft pass that catches up 8 rows'
+    context, and a verify of 64 tokens) would not change a single decision: it is skipped. Alone, the same record
+    pays and drafts; a record of 2.0 (2.0 x 0.7 + 2.1 = 3.5 over the bar) still probes at 8."""
+    profile = StepCostProfile((1, 8, 64), (0.010, 0.014, 0.050), 0.004)
+    gate = DraftGate.from_profile(profile, block_size=7, draft_seconds=lambda rows: 0.004 if rows == 1 else 0.010)
+    low, high = GateState(1.0), GateState(2.0)
+    assert not any(gate.wants_draft(low, rows=8, clock=c) for c in range(64))
+    assert gate.wants_draft(low, rows=1, clock=0)
+    assert any(gate.wants_draft(high, rows=8, clock=c) for c in range(64))
+    no_limit = DraftGate(gate.break_even, gate.config, gate._by_rows)  # without a block size: every probe runs
+    assert any(no_limit.wants_draft(GateState(1.0), rows=8, clock=c) for c in range(64))
 
 
 def test_the_measured_draft_cost_by_rows_interpolates_between_measured_batches():

@@ -76,10 +76,12 @@ class GateState:
 
 class DraftGate:
     def __init__(self, break_even: float, config: DraftGateConfig = DraftGateConfig(),
-                 by_rows: Callable[[int], float] | None = None):
-        """``break_even``: at one request per round; ``by_rows(R)``: at R requests per round (None: the same)."""
+                 by_rows: Callable[[int], float] | None = None, block_size: int | None = None):
+        """``break_even``: at one request per round; ``by_rows(R)``: at R requests per round (None: the same);
+        ``block_size``: the most a drafted round can accept (a probe that could not lift the record over the
+        round's bar even so is skipped; None: every probe runs)."""
         self.break_even, self.config = break_even, config
-        self._by_rows = by_rows
+        self._by_rows, self.block_size = by_rows, block_size
         self._at: dict[int, float] = {}
 
     @classmethod
@@ -96,7 +98,7 @@ class DraftGate:
             draft = draft_seconds(rows) if draft_seconds is not None and rows > 1 else profile.draft_seconds
             return max((full + draft) / max(plain, 1e-9) - 1.0, 0.0)
 
-        return cls(at(1), config, at)
+        return cls(at(1), config, at, block_size)
 
     @staticmethod
     def batch_of(rows: int, pinned: bool) -> int:
@@ -140,8 +142,12 @@ class DraftGate:
         """Whether the request drafts this round (call once per round), in a round of ``rows`` requests;
         ``clock``: the engine's round count, for probes on its multiples of the request's wait (``clock_of``);
         ``pinned``: a seeded sampled row (its fixed bar, its own rounds)."""
-        if state.accepted >= self.at(rows, pinned):
+        bar = self.at(rows, pinned)
+        if state.accepted >= bar:
             return True
+        alpha = self.config.smoothing
+        if self.block_size is not None and (1 - alpha) * state.accepted + alpha * self.block_size < bar:
+            return False  # even a fully accepted probe would leave the record below this round's bar
         if clock is not None:
             return clock % state.period == 0
         if state.wait > 0:
