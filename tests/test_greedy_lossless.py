@@ -147,7 +147,9 @@ def test_gated_random_head_skips_drafts_and_stays_lossless(tiny_target, tiny_tok
 def test_the_gate_holds_greedy_drafts_back_where_the_batch_makes_them_dear(tiny_target, tiny_tokenizer, prompts,
                                                                           reference):
     """A drafter whose blocks keep 2 tokens pays alone (bar 0.51) but not in a round of six (verifying 30 tokens
-    costs 45 ms against 11 ms for 6: bar 3.29): decoding six together, greedy rows only probe; the same tokens."""
+    costs 45 ms against 11 ms for 6: bar 3.29): decoding six together, greedy rows do not even probe while six run
+    (a fully accepted block of 4 could not lift their record over 3.29), only as the batch thins; the same
+    tokens."""
     steep = StepCostProfile((1, 8, 40), (0.010, 0.012, 0.060), 0.004)
 
     def run(batch):
@@ -165,7 +167,7 @@ def test_the_gate_holds_greedy_drafts_back_where_the_batch_makes_them_dear(tiny_
         assert tokens == [expected]
         alone_drafts, alone_skips = alone_drafts + metrics.num_drafts, alone_skips + metrics.draft_skips
     assert alone_skips == 0 and batched.draft_skips > 0
-    assert 0 < batched.num_drafts < 0.5 * alone_drafts
+    assert batched.num_drafts < 0.5 * alone_drafts
 
 
 def test_gate_never_holds_back_an_accurate_drafter(tiny_target, tiny_tokenizer, prompts, reference):
