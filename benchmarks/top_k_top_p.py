@@ -59,7 +59,7 @@ def median_ms(fn, logits: torch.Tensor, repeats: int) -> float:
 def main() -> None:
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    from dspark.integrations.vllm_0_32.plugin import apply_top_k_top_p
+    from dspark.integrations.vllm_0_32.sampler import apply_top_k_top_p
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=30)

