@@ -6,21 +6,21 @@ engine's profiled cost table for the round's batch: with R requests decoding tog
 where each drafts and verifies its whole block of gamma costs ``t(R (1 + gamma)) + d(R)``
 against ``t(R)`` plain (``t``: the target's time by tokens verified, ``d``: the draft pass by
 rows). Where the target's cost grows with tokens (a CPU, a large batch) the bar rises with R and
-the gate stops drafts that would slow the batch down. Greedy rows only: a sampled row's bar is
-the one-row bar, so that whether it drafts, and with it its random draws, never depends on its
-batch.
+the gate stops drafts that would slow the batch down, for greedy and unseeded sampled rows alike.
+A pinned row (seeded and sampled) never weighs its batch: whether it drafts decides its random
+draws, which must not depend on what else runs.
 
 The gate keeps, per request, an exponential moving average of the draft tokens accepted in its
 drafted rounds. Below break-even the request decodes plainly and probes again after 2, 4, 8 ...
 (at most ``max_backoff``) plain rounds, so a request whose text becomes predictable (a code
-block, a list, a quotation) gets its drafts back. Greedy rows probe in step: a row waiting
+block, a list, a quotation) gets its drafts back. Unpinned rows probe in step: a row waiting
 ``w`` rounds (a power of two) probes on the rounds of the engine's clock that are multiples of
 ``w``, so the probes of a batch's held-back rows fall on the same rounds and share one draft
 pass (eight rows drafting together cost about 2.4 times one row on a CPU, not 8 times). A
-sampled row counts its own rounds, so its draws do not depend on when it joined the batch. A
-pinned row (seeded and sampled: the same seed must give the same tokens whatever else runs)
+pinned row counts its own rounds, so its draws do not depend on when it joined the batch, and
 weighs its own record against a fixed configured bar (``pinned_break_even``) instead of the
-measured costs.
+measured costs. A probe that could not lift a record over the round's bar even if it kept its
+whole block is skipped.
 
 The decision depends only on rounds already verified, never on the tokens being decided, so
 it changes how fast a request is decoded and never what is decoded (greedy output stays the

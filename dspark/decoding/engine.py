@@ -241,7 +241,7 @@ class Engine:
         once per round) and submit the head's blocks to the drafter."""
         requests = [r for r in requests if r.num_cached > 0]  # prefilled: its context features are committed
         drafting, lookups = [], []
-        for request in requests:  # greedy rows: the bar of a round of len(requests) decoding together
+        for request in requests:  # but for pinned rows: the bar of a round of len(requests) decoding together
             choice = self._lookup_choice(request, len(requests))
             self.sources.taken(request.sources, choice)
             if choice is not None:

@@ -341,11 +341,10 @@ class StepDrafter:
                 if committed and rid in self._lost and rows.params[i].speculate:
                     self.stats.drafter_fallbacks += 1
                 continue
-            pinned = rows.params[i].pinned
-            if seq.gate is None and (self.pinned_gate if pinned else self.gate) is not None:
-                seq.gate = (self.pinned_gate if pinned else self.gate).new_state(
-                    self.head_pool.value if rows.params[i].greedy else None)
-            batch = DraftGate.batch_of(decoding, rows.params[i].pinned)
+            pinned, gate = rows.params[i].pinned, self._gate_for(rows.params[i])
+            if seq.gate is None and gate is not None:
+                seq.gate = gate.new_state(self.head_pool.value if rows.params[i].greedy else None)
+            batch = DraftGate.batch_of(decoding, pinned)
             if rows.num_drafted[i] and committed:
                 self._record(seq, rows.num_drafted[i], len(committed) - 1, batch, rows.params[i])
             if committed:
@@ -369,8 +368,7 @@ class StepDrafter:
                 continue
             if self.sources == "lookup":
                 continue
-            clock = DraftGate.clock_of(self.stats.steps, rows.params[i].pinned)
-            gate = self.pinned_gate if pinned else self.gate
+            clock = DraftGate.clock_of(self.stats.steps, pinned)
             if seq.gate is not None and not gate.wants_draft(seq.gate, batch, clock, pinned):
                 self.stats.gate_skips += 1
                 continue
@@ -519,9 +517,14 @@ class StepDrafter:
         if self.choice.record(seq.row, drafted, accepted, params.greedy) == "lookup":
             return
         if seq.gate is not None:
-            (self.pinned_gate if params.pinned else self.gate).record(seq.gate, accepted, batch, params.pinned)
+            self._gate_for(params).record(seq.gate, accepted, batch, params.pinned)
         if params.greedy:
             self.head_pool.observe(accepted)
+
+    def _gate_for(self, params: RowParams) -> DraftGate | None:
+        """The gate a row answers to: pinned rows the fixed-bar one (there from the first step), the rest the
+        measured one (once the cost table exists)."""
+        return self.pinned_gate if params.pinned else self.gate
 
     def _refresh_gate(self) -> None:
         """The draft gate's break-even from the cost table and the draft pass by rows (rebuilt as they fill in;
