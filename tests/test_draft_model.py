@@ -197,6 +197,38 @@ def test_malformed_checkpoints_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+@pytest.mark.parametrize("prefilter_k", [0, 16])
+def test_a_greedy_batch_drafts_what_the_sampling_path_gives_its_greedy_rows(kind, prefilter_k):
+    """A batch of greedy rows skips the per-position distributions and draws (argmax only): the same tokens and
+    confidences as those rows get on the sampling path, where a sampled row in the batch makes every row build its
+    distribution and draw from it."""
+    cfg = replace(shrink(seed_config("release")), markov_head_type=kind)
+    draft = _bound(cfg)
+    with torch.no_grad():
+        for p in draft.markov_head.parameters():
+            p.normal_(0, 0.5)
+    hidden, anchors = _hidden(draft)
+
+    def sampling(temperatures):
+        n = len(temperatures)
+        return SamplingTensors(torch.tensor(temperatures), torch.ones(n), torch.zeros(n, dtype=torch.long),
+                               [torch.Generator().manual_seed(i) for i in range(n)])
+
+    greedy = draft.propose(hidden[:2], anchors[:2], sampling([0.0, 0.0]), prefilter_k)
+    mixed = draft.propose(hidden, anchors, sampling([0.0, 0.0, 1.0]), prefilter_k)
+    assert greedy.draft_probs is None and mixed.draft_probs is not None
+    assert torch.equal(greedy.tokens, mixed.tokens[:2])
+    assert torch.equal(greedy.confidences, mixed.confidences[:2])
+    if prefilter_k:
+        return
+    # and they are each position's argmax given the tokens before it (the Markov head conditions on them)
+    with torch.no_grad():
+        prev = torch.cat((anchors[:2, None], greedy.tokens[:, :-1]), dim=1)
+        logits, _, _ = draft.position_logits(draft.base_logits(hidden[:2]), hidden[:2], prev, slice(None))
+    assert torch.equal(logits.argmax(-1), greedy.tokens)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
 def test_teacher_forced_block_equals_the_sequential_stage(kind):
     """Training scores a whole block at once; drafting walks it left to right: the same numbers (every head type)."""
     cfg = replace(shrink(seed_config("release")), markov_head_type=kind)

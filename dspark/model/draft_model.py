@@ -341,12 +341,19 @@ class DSparkDraft(nn.Module):
         greedy_only = bool(sampling.greedy.all()) if sampling.temperature.device.type == "cpu" else False
         tokens, probs, confidences = [], [], []
         prev, state = anchors, None
-        uniforms = sampling.uniforms(hidden.shape[1])  # [B, G]
+        # a batch of greedy rows draws nothing: each token is its position's argmax, which is what the one-point
+        # distribution of ``logits_to_probs`` and ``sample_from`` give a greedy row (the first index among equal
+        # maxima), without the truncation and the inverse-CDF draw a sampled row needs at every position
+        uniforms = None if greedy_only else sampling.uniforms(hidden.shape[1])  # [B, G]
         for k in range(hidden.shape[1]):
             cand = None if candidates is None else candidates[:, k]
             logits_k, conf_logit, state = self.position_logits(base[:, k], hidden[:, k], prev, k, cand, state)
-            local_probs = logits_to_probs(logits_k, sampling, prefilter_k)  # [B, V or C]
-            choice = sample_from(local_probs, uniforms[:, k])
+            if greedy_only:
+                choice = logits_k.argmax(-1)  # [B]
+                local_probs = None
+            else:
+                local_probs = logits_to_probs(logits_k, sampling, prefilter_k)  # [B, V or C]
+                choice = sample_from(local_probs, uniforms[:, k])
             prev = choice if cand is None else cand.gather(1, choice[:, None])[:, 0]
             prev = self.to_target_ids(prev)  # the Markov head's W1 and the verifier read target ids
             tokens.append(prev)
