@@ -162,29 +162,29 @@ def test_the_hybrid_takes_lookup_only_where_it_beats_both_the_head_and_plain_dec
 
     # the prior (survival 0.7, 0.53, 0.42, 0.36, 0.30, 0.26, 0.22): E = 2.79 over 7 tokens; (1 + 2.79) / 45 ms =
     # 84 tok/s against plain 100 tok/s: lookup loses to plain decoding, though it beats the head (1.2 / 49 ms)
-    assert drafter._choose(sequence(), 7, params, 1) is None
+    assert drafter._choose(sequence(), 7, params, 1, drafter.profile) is None
     for _ in range(6):  # other requests' 2-token matches kept every token: P(kept) ~0.93 each, E ~5.4: 142 tok/s
         drafter.choice.lookup_stats.record(2, True, 7, 7)
-    assert drafter._choose(sequence(), 7, params, 1).tokens == [7, 8, 9, 10, 11, 12, 5]
+    assert drafter._choose(sequence(), 7, params, 1, drafter.profile).tokens == [7, 8, 9, 10, 11, 12, 5]
     for _ in range(3):  # 15 tokens 90 ms: in a batch of 8 the same draft gives (8 + 5.4) / 90 ms = 149 tok/s
         drafter.costs.record(15, 0.090)  # against plain 8 / 45 ms = 178 tok/s: the bar rises with the batch
-    assert drafter._choose(sequence(), 7, params, 8) is None
-    assert drafter._choose(sequence(), 7, params, 1) is not None
+    assert drafter._choose(sequence(), 7, params, 8, drafter.profile) is None
+    assert drafter._choose(sequence(), 7, params, 1, drafter.profile) is not None
     drafter.choice.lookup_stats.record(3, True, 7, 0)  # another match length's record is another estimate
     drafter.choice.lookup_stats.record(2, False, 7, 0)  # and sampled rows' records another
-    assert drafter._choose(sequence(), 7, params, 1) is not None
+    assert drafter._choose(sequence(), 7, params, 1, drafter.profile) is not None
     # a seeded sampled row goes by its own drafts and the prior, whatever other requests verified
     pinned = RowParams(temperature=1.0, top_p=1.0, top_k=0, seed=7, max_total_tokens=1000)
     assert pinned.pinned
     seq = sequence()
     seq.row.head_accepted = 3.0  # E = 2.79 < 3.0: the head's turn
-    assert drafter._choose(seq, 7, pinned, 1) is None
+    assert drafter._choose(seq, 7, pinned, 1, drafter.profile) is None
     for _ in range(6):
         seq.row.record.record(7, 7)
-    assert drafter._choose(seq, 7, pinned, 1) is not None
+    assert drafter._choose(seq, 7, pinned, 1, drafter.profile) is not None
     # before any cost table (and for sampled rows): lookup when its expected accepted tokens reach the head's
     fresh = StepDrafter(None, block_size=7, sources="hybrid")
-    assert fresh._choose(_Sequence(torch.Generator(), fresh.choice.new_row(prompt)), 7, params, 1) is not None
+    assert fresh._choose(_Sequence(torch.Generator(), fresh.choice.new_row(prompt)), 7, params, 1, fresh.profile) is not None
 
 
 def test_a_new_greedy_request_starts_from_what_the_servers_head_accepted():
@@ -213,3 +213,46 @@ def test_a_new_greedy_request_starts_from_what_the_servers_head_accepted():
     for _ in range(200):  # the head pays on this traffic: new greedy requests start where it stands
         pool.observe(3)
     assert gate.new_state(pool.value).accepted == pytest.approx(3.0, abs=0.01)
+
+
+def test_a_requests_first_head_draft_stays_out_of_the_draft_passs_cost():
+    """The draft pass's measured cost (what the gate's bar and the hybrid's choice weigh) is what drafting again
+    costs: a pass that includes a request's first head draft, which also fuses that request's whole prompt, counts
+    only while nothing else is measured."""
+    import torch
+
+    from dspark.integrations.step_drafter import RowParams, StepDrafter, StepRows
+    from dspark.model.draft_model import DraftProposal
+
+    class Drafter:  # the sequence interface of DSparkDrafter, drafting a fixed block
+        def can_start_sequence(self, reservation):
+            return True
+
+        def start_sequence(self, handle, reservation):
+            pass
+
+        def release_sequence(self, handle):
+            pass
+
+        def commit(self, handles, kept, features):
+            pass
+
+        def draft(self, inputs, sampling):
+            rows = len(inputs.request_ids)
+            return DraftProposal(torch.full((rows, 3), 4), None, torch.full((rows, 3), 0.9))
+
+    drafter = StepDrafter(Drafter(), block_size=3)
+    params = RowParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, max_total_tokens=100)
+
+    def step(ids, firsts, scheduled, drafted, committed):
+        rows = StepRows(ids, firsts, scheduled, drafted, committed, torch.zeros(sum(scheduled), 8),
+                        [params] * len(ids), prompts=[[1] * n if f == 0 else None for f, n in zip(firsts, scheduled)])
+        return drafter.propose(rows)
+
+    step(["a"], [0], [5], [0], [[9]])  # a's prompt, then its first draft: the only measurement so far
+    first = drafter.costs.draft_seconds
+    assert first is not None
+    step(["a", "b"], [5, 0], [4, 5], [3, 0], [[4, 9], [9]])  # b's first draft shares the pass: not counted
+    assert drafter.costs.draft_seconds == first
+    step(["a", "b"], [7, 5], [4, 4], [3, 3], [[4, 4, 9], [4, 9]])  # both draft again: counted
+    assert drafter.costs.draft_seconds != first

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from dspark.decoding.lookup import LookupRecord, LookupStats, PromptLookup
 from dspark.decoding.scheduler import StepCostProfile
 
@@ -114,10 +112,10 @@ class DraftSources:
         if profile is None:
             take = expected >= head_expected
         else:
-            t = profile.round_seconds(torch.tensor([rows, rows + len(draft.tokens), rows + self.block_size])) \
-                - profile.draft_seconds
-            rate = (rows + expected) / float(t[1])  # tokens per second of step with the lookup draft
-            take = rate >= (rows + head_expected) / (float(t[2]) + draft_seconds) and rate >= rows / float(t[0])
+            plain, with_lookup, with_head = (profile.seconds_at(n) - profile.draft_seconds
+                                             for n in (rows, rows + len(draft.tokens), rows + self.block_size))
+            rate = (rows + expected) / with_lookup  # tokens per second of step with the lookup draft
+            take = rate >= (rows + head_expected) / (with_head + draft_seconds) and rate >= rows / plain
         return choice if take else None
 
     def taken(self, row: RowSources, choice: LookupChoice | None) -> None:
