@@ -31,8 +31,8 @@ from conftest import make_engine
 
 VOCAB, STEPS, N = 6, 3, 6000
 PROMPT = [1, 4, 2, 5]
-# "0" recurs: after the first token (3 or 2 with probability 0.84 here), lookup matches "0 3" or "0 2" and drafts
-# what followed them; otherwise the head drafts
+# "0" recurs: from the first round lookup matches the last "0" (and after a sampled 3 or 2, "0 3" or "0 2") and
+# drafts what followed; otherwise the head drafts
 REPEATING = [4, 0, 3, 0, 2, 0]
 PARAMS = SamplingParams(max_tokens=STEPS, temperature=1.0, top_p=0.95, ignore_eos=True)
 
