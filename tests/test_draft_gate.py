@@ -184,7 +184,8 @@ def test_the_hybrid_takes_lookup_only_where_it_beats_both_the_head_and_plain_dec
     assert drafter._choose(seq, 7, pinned, 1, drafter.profile) is not None
     # before any cost table (and for sampled rows): lookup when its expected accepted tokens reach the head's
     fresh = StepDrafter(None, block_size=7, sources="hybrid")
-    assert fresh._choose(_Sequence(torch.Generator(), fresh.choice.new_row(prompt)), 7, params, 1, fresh.profile) is not None
+    fresh_row = _Sequence(torch.Generator(), fresh.choice.new_row(prompt))
+    assert fresh._choose(fresh_row, 7, params, 1, fresh.profile) is not None
 
 
 def test_a_new_greedy_request_starts_from_what_the_servers_head_accepted():
