@@ -398,7 +398,8 @@ class SamplingParams:
     @property
     def pinned(self) -> bool:
         """A seeded sampled request: what it drafts and how much of it is verified follow its own record and fixed
-        rules only (the draft gate's fixed bar ``pinned_break_even``, the full block, no load-aware switch), so the
+        rules only (the draft gate's fixed bar ``pinned_break_even``, its drafts trimmed alone by the fixed cost
+        ``pinned_token_cost``, no load-aware switch), so the
         same seed gives the same tokens alone or beside any other traffic."""
         return self.seed is not None and not self.greedy
 
@@ -420,6 +421,7 @@ class EngineConfig:
     profile_max_tokens: int = 64
     draft_gate: bool = False  # skip drafting for a request while its recent drafts do not pay (draft_gate.py)
     pinned_break_even: float = 0.0  # with the gate: a seeded sampled request's fixed bar (0: it always drafts)
+    pinned_token_cost: float = 0.0  # a seeded sampled request's fixed cost of a verified draft token (0: full block)
     draft_sources: Literal["head", "lookup", "hybrid"] = "head"  # where drafts come from (decoding/sources.py)
 
     def __post_init__(self) -> None:
@@ -439,5 +441,7 @@ class EngineConfig:
             raise ConfigError("draft_sources", f"must be 'head', 'lookup' or 'hybrid', got {self.draft_sources!r}")
         if self.draft_top_k < 0:
             raise ConfigError("draft_top_k", "must be >= 0 (0: full vocabulary)")
+        if not 0 <= self.pinned_token_cost <= 1:
+            raise ConfigError("pinned_token_cost", f"must be in [0, 1], got {self.pinned_token_cost}")
         if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
             raise ConfigError("dtype", f"unsupported dtype {self.dtype!r}")

@@ -146,11 +146,18 @@ class EngineSpec(_Strict):
                                       "rounds. A fixed bar, never the server's measured costs, so that the same seed "
                                       "gives the same tokens whatever else runs; 0: seeded sampled requests always "
                                       "draft.")
+    pinned_token_cost: float = Field(
+        0.0, ge=0, le=1, description="With the confidence scheduler: a seeded sampled request's fixed cost of one "
+                                     "verified draft token, as a share of a plain round. Each such request trims its "
+                                     "draft on its own (Algorithm 1 over this linear cost model and its own "
+                                     "confidences, or its own lookup record): never the server's measured costs or "
+                                     "the rows beside it, so the same seed gives the same tokens whatever else runs; "
+                                     "0: the full block.")
 
     draft_sources: Literal["head", "lookup", "hybrid"] = Field(
         "head", description="Where drafts come from (the native engine, and our proposer in vLLM: vllm_speculation "
                             "'dspark_plugin'): 'head' the DSpark head; 'lookup' prompt lookup (the continuation "
-                            "of the earliest occurrence of the longest 2-5-token n-gram ending at the request's "
+                            "of the earliest occurrence of the longest 1-5-token n-gram ending at the request's "
                             "last token, in its prompt and output; no draft pass); 'hybrid' per request and step the "
                             "source with more expected accepted tokens per second of step (the head's measured "
                             "acceptance against lookup's by position), the head's draft pass skipped when every "

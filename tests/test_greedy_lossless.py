@@ -181,17 +181,24 @@ def test_gated_sampling_uses_the_requests_generators(tiny_target, tiny_tokenizer
     """Seeded sampled requests give the same tokens alone and in a batch, with the gate on: they are pinned
     (``SamplingParams.pinned``), so the gate weighs their own record against the fixed bar
     (``engine.pinned_break_even``), never the measured costs of their batch: at 0 it never holds them back, above
-    what the head accepts it does, and either way each request's tokens are the same alone and in a batch."""
+    what the head accepts it does, and either way each request's tokens are the same alone and in a batch. Their
+    drafts are trimmed alone by the fixed cost model (``engine.pinned_token_cost``; 0: the full block), so trimmed
+    they are the same alone and in a batch too."""
     params = SamplingParams(max_tokens=32, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
 
-    def run(batch, params=params, bar=0.0):
+    def run(batch, params=params, bar=0.0, cost=0.0, metrics=False):
         engine = make_engine(tiny_target, tiny_tokenizer, _drafter(tiny_draft_dir, tiny_target),
-                             scheduler="confidence", profile=GATE_PROFILE, draft_gate=True, pinned_break_even=bar)
-        return [r.token_ids for r in engine.generate(batch, params)], engine.metrics.draft_skips
+                             scheduler="confidence", profile=GATE_PROFILE, draft_gate=True, pinned_break_even=bar,
+                             pinned_token_cost=cost)
+        tokens = [r.token_ids for r in engine.generate(batch, params)]
+        return (tokens, engine.metrics) if metrics else (tokens, engine.metrics.draft_skips)
 
-    together, skips = run(prompts[:6])
+    together, full = run(prompts[:6], metrics=True)
     alone = [run([p])[0][0] for p in prompts[:6]]
-    assert skips == 0 and together == alone
+    assert full.draft_skips == 0 and together == alone
+    trimmed, cut = run(prompts[:6], cost=0.2, metrics=True)
+    assert cut.num_drafts > 0 and cut.num_draft_tokens / cut.num_drafts < full.num_draft_tokens / full.num_drafts
+    assert trimmed == [run([p], cost=0.2)[0][0] for p in prompts[:6]]
     assert all(len(t) == 32 for t in together) and torch.tensor(together).unique().numel() > 20
     held_together, held_skips = run(prompts[:6], bar=1.5)
     assert held_skips > 0 and held_together == [run([p], bar=1.5)[0][0] for p in prompts[:6]]

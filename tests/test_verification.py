@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.decoding.scheduler import StepCostProfile, schedule_prefix
+from dspark.decoding.scheduler import StepCostProfile, schedule_alone, schedule_prefix
 from dspark.decoding.verification import verify, verify_block, verify_greedy, verify_tokenwise
 
 V = 4
@@ -121,3 +121,21 @@ def test_scheduler_admits_by_survival_across_requests():
     # 0.81 (3.71/1.6 = 2.32 < 2.42): stop.
     assert schedule_prefix(conf, steep, torch.tensor([3, 3])).tolist() == [1, 0]
     assert schedule_prefix(conf, flat, torch.tensor([1, 0])).tolist() == [1, 0]  # hard caps hold
+
+
+def test_a_row_scheduled_alone_follows_its_own_confidences_and_the_fixed_cost_only():
+    """Seeded sampled rows trim their drafts alone over a linear cost model: L tokens expect 1 + a_1 + ... + a_L
+    tokens for 1 + kappa L plain rounds, admitted in order while that improves, stopping at the first that does
+    not (as Algorithm 1); the rows beside it change nothing."""
+    conf = torch.tensor([[0.9, 0.5, 0.1, 0.9], [0.5, 0.5, 0.5, 0.5]])
+    # kappa 0.1, row 0: survivals 0.9, 0.45, 0.045; theta 1, 1.9/1.1 = 1.727, 2.35/1.2 = 1.958, 2.395/1.3 = 1.842:
+    # the third token does not improve, so the fourth (survival 0.04) is never looked at. Row 1: 0.5, 0.25, 0.125,
+    # 0.0625; theta 1, 1.364, 1.458, 1.442: two tokens
+    assert schedule_alone(conf, 0.1, torch.tensor([4, 4])).tolist() == [2, 2]
+    assert schedule_alone(conf[1:], 0.1, torch.tensor([4])).tolist() == [2]  # alone: the same
+    assert schedule_alone(conf, 0.1, torch.tensor([1, 0])).tolist() == [1, 0]  # hard caps hold
+    assert schedule_alone(conf, 0.0, torch.tensor([4, 3])).tolist() == [4, 3]  # no cost: the whole block
+    assert schedule_alone(conf, 1.0, torch.tensor([4, 4])).tolist() == [0, 0]  # a token as dear as a round
+    # a first token that does not pay for itself: nothing verified (survivals never rise along a block, so with a
+    # linear cost the first token that does not improve is where the best length ends)
+    assert schedule_alone(torch.tensor([[0.2, 1.0, 1.0, 1.0]]), 0.25, torch.tensor([4])).tolist() == [0]

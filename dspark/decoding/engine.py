@@ -22,7 +22,7 @@ from dspark.decoding.drafter import Drafter
 from dspark.decoding.metrics import SpecMetrics
 from dspark.decoding.request import Request, RequestOutput, Status
 from dspark.decoding.sampling import SamplingTensors
-from dspark.decoding.scheduler import StepCostProfile, schedule_full, schedule_prefix
+from dspark.decoding.scheduler import StepCostProfile, schedule_alone, schedule_full, schedule_prefix
 from dspark.decoding.sources import DraftSources, LookupChoice
 from dspark.decoding.target_runner import TargetRunner, VerifyBatch, VerifyOutput
 from dspark.model.draft_model import DraftProposal
@@ -415,8 +415,10 @@ class Engine:
         full = schedule_full(self.block_size, caps)
         if self.config.scheduler != "confidence":
             return full
-        pinned = torch.tensor([r.params.pinned for r in requests])  # [B] seeded sampled rows: the full block
-        return torch.where(pinned, full, schedule_prefix(proposal.confidences, self.profile, caps))
+        # [B] seeded sampled rows: each trimmed on its own by the fixed cost model (engine.pinned_token_cost)
+        pinned = torch.tensor([r.params.pinned for r in requests])
+        alone = schedule_alone(proposal.confidences, self.config.pinned_token_cost, caps)
+        return torch.where(pinned, alone, schedule_prefix(proposal.confidences, self.profile, caps))
 
     def _verify_batch(self, round_: _Round) -> VerifyBatch:
         """The target's inputs: each row's uncached committed tokens, then its scheduled draft prefix."""

@@ -107,6 +107,29 @@ def schedule_prefix(
     return torch.bincount(order[:stop] // block, minlength=batch)
 
 
+def schedule_alone(
+    confidences: torch.Tensor,  # [B, G] conditional acceptance estimates c[r, j]
+    token_cost: float,  # a verified draft token's cost, as a share of a plain round
+    max_lengths: torch.Tensor,  # [B] hard cap per request, >= 0
+) -> torch.Tensor:  # [B] number of draft tokens to verify per request
+    """Algorithm 1 for each row on its own, over a fixed linear cost model instead of the measured table: a row
+    verifying L tokens expects ``1 + a[r, 0] + ... + a[r, L-1]`` tokens for ``1 + token_cost * L`` plain rounds,
+    and admits its tokens in order while that ratio improves (stopping at the first that does not, as Algorithm 1
+    does). What a row verifies then depends on its own confidences only, never on the server's costs or on the
+    rows beside it (seeded sampled rows: ``RowParams.pinned``). ``token_cost`` 0: the whole block."""
+    block = confidences.shape[1]
+    caps = max_lengths.clamp(min=0, max=block)
+    if token_cost <= 0:
+        return caps
+    a = survival(confidences.double())  # [B, G]
+    lengths = torch.arange(block + 1, dtype=torch.float64)  # L = 0 .. G
+    expected = torch.cat((torch.ones_like(a[:, :1]), 1 + a.cumsum(1)), dim=1)  # [B, G + 1] tokens at L
+    theta = expected / (1 + token_cost * lengths)[None, :]  # [B, G + 1]
+    improves = theta[:, 1:] > theta[:, :-1]  # [B, G] adding token j improves on stopping before it
+    admitted = torch.cumprod(improves.long(), dim=1).sum(1)  # [B] leading improvements
+    return torch.minimum(admitted, caps)
+
+
 def schedule_full(
     block: int,
     max_lengths: torch.Tensor,  # [B]

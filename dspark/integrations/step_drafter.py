@@ -24,7 +24,7 @@ from dspark.config import GREEDY_BELOW
 from dspark.decoding.draft_gate import DraftGate, DraftGateConfig, GateState, PooledAcceptance
 from dspark.decoding.drafter import DrafterUnavailable, DraftInputs
 from dspark.decoding.sampling import SamplingTensors
-from dspark.decoding.scheduler import StepCostProfile, schedule_full, schedule_prefix
+from dspark.decoding.scheduler import StepCostProfile, schedule_alone, schedule_full, schedule_prefix
 from dspark.decoding.sources import SOURCES, DraftSources, LookupChoice, RowSources, SourceStats
 
 
@@ -46,9 +46,9 @@ class RowParams:
     @property
     def pinned(self) -> bool:
         """A seeded sampled request: its draws depend on what it drafts and how much of it is verified, so those
-        follow its own record and fixed rules only (the gate's fixed bar, no start-up calibration, the full block)
-        and never the server's measured costs or other requests: the same seed gives the same tokens alone or in
-        any batch."""
+        follow its own record and fixed rules only (the gate's fixed bar, no start-up calibration, its draft trimmed
+        alone by a fixed cost model) and never the server's measured costs or other requests: the same seed gives
+        the same tokens alone or in any batch."""
         return self.seed is not None and not self.greedy
 
 
@@ -201,7 +201,7 @@ class StepDrafter:
 
     def __init__(self, drafter, block_size: int, seed: int = 0, scheduler: str = "full", draft_gate: bool = False,
                  calibration_steps: int = 6, sources: str = "head", vocab_size: int | None = None,
-                 pinned_break_even: float = 0.0):
+                 pinned_break_even: float = 0.0, pinned_token_cost: float = 0.0):
         """``scheduler``: 'full' (every drafted token verified) or 'confidence' (Algorithm 1 over the measured cost
         table, full blocks until it has one); ``draft_gate``: per request, skip drafting below the measured
         break-even; ``calibration_steps``: plain decode steps at start-up that measure the cost of a plain step
@@ -209,11 +209,13 @@ class StepDrafter:
         'lookup' (prompt lookup only) or 'hybrid' (per request and step, the source with more expected accepted
         tokens per unit of step cost: :meth:`_choose`); ``vocab_size``: the target's, for lookup drafts' one-point
         distributions when no head draft gives the shape; ``pinned_break_even``: with the gate, a pinned row's fixed
-        bar (``DraftGateConfig.pinned_break_even``)."""
+        bar (``DraftGateConfig.pinned_break_even``); ``pinned_token_cost``: with the confidence scheduler, the fixed
+        cost model a pinned row trims its draft by alone (``schedule_alone``; 0: the full block)."""
         self.choice = DraftSources(sources, block_size)
         self.sources, self.vocab_size = sources, vocab_size
         self.drafter, self.block_size = drafter, block_size
         self.scheduler, self.use_gate = scheduler, draft_gate
+        self.pinned_token_cost = pinned_token_cost if scheduler == "confidence" else 0.0
         self.costs = MeasuredCosts()
         self.calibration_left = calibration_steps if (draft_gate or scheduler == "confidence") else 0
         self.gate: DraftGate | None = None  # built once the cost table exists
@@ -463,9 +465,10 @@ class StepDrafter:
             lengths = schedule_prefix(confidences_all, profile, budgets.clamp(max=block))
         else:
             lengths = schedule_full(block, budgets)
-        if flight.pinned:  # seeded sampled rows: the full block, whatever else is in the step (RowParams.pinned)
+        if flight.pinned:  # seeded sampled rows: each trimmed alone by a fixed cost model (RowParams.pinned)
             pinned = torch.tensor([i in flight.pinned for i in drafting + lookup_rows])  # [B]
-            lengths = torch.where(pinned, schedule_full(block, budgets), lengths)
+            lengths = torch.where(pinned, schedule_alone(confidences_all, self.pinned_token_cost,
+                                                         budgets.clamp(max=block)), lengths)
         lengths_list = lengths.tolist()  # once per step, for the host's per-request lists
         if drafting:
             block_tokens = proposal.tokens.tolist()

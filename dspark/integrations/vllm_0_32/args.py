@@ -123,6 +123,7 @@ def dspark_options(config) -> dict[str, Any]:
             "block_size": engine.block_size, "draft_top_k": engine.draft_top_k,
             "kv_cache_tokens": engine.kv_cache_tokens, "kv_block_size": engine.kv_block_size,
             "draft_gate": engine.draft_gate, "pinned_break_even": engine.pinned_break_even,
+            "pinned_token_cost": engine.pinned_token_cost,
             "scheduler": engine.scheduler, "seed": 0,
             "drafter": engine.vllm_drafter, "overlap": _draft_overlap(config), "sources": engine.draft_sources}
 

@@ -72,6 +72,7 @@ class DSparkProposer:
         scheduling = {"seed": int(opts.get("seed", 0)), "scheduler": opts.get("scheduler", "full"),
                       "draft_gate": bool(opts.get("draft_gate", False)), "sources": opts.get("sources", "head"),
                       "pinned_break_even": float(opts.get("pinned_break_even", 0.0)),
+                      "pinned_token_cost": float(opts.get("pinned_token_cost", 0.0)),
                       "vocab_size": self.vocab_size}
         if self.remote:
             self.step_drafter = StepDrafter(None, block, **scheduling)  # drafts once attach() gives it the actor
