@@ -186,6 +186,15 @@ def test_the_hybrid_takes_lookup_only_where_it_beats_both_the_head_and_plain_dec
     fresh = StepDrafter(None, block_size=7, sources="hybrid")
     fresh_row = _Sequence(torch.Generator(), fresh.choice.new_row(prompt))
     assert fresh._choose(fresh_row, 7, params, 1, fresh.profile) is not None
+    # only the last token recurs: a one-token match, which a greedy row may take and a pinned row does not (its own
+    # record, over every match length, could not tell such guesses from its long matches)
+    single = [5, 6, 7, 5]
+    for row_params, taken in ((params, [6, 7, 5]), (pinned, None)):
+        seq = _Sequence(torch.Generator(), fresh.choice.new_row(single))
+        seq.row.head_accepted = 0.0
+        choice = fresh._choose(seq, 7, row_params, 1, fresh.profile)
+        assert (choice.tokens if choice is not None else None) == taken
+        assert choice is None or choice.match == 1
 
 
 def test_a_new_greedy_request_starts_from_what_the_servers_head_accepted():

@@ -30,6 +30,12 @@ from dataclasses import dataclass, field
 # what does not pay): at batch 1, 20 prompts x 128 tokens, one process per system, the hybrid went from 0.98x to
 # 1.03x vLLM's ngram greedy on humaneval, 0.96x to 1.02x at T=1, and from 0.96x to 0.99x greedy on mt-bench
 MIN_NGRAM, MAX_NGRAM = 1, 5
+# A seeded sampled row (pinned) goes by its own lookup record, one for every match length it drafted, from an
+# optimistic prior: one-token guesses would each be verified nearly in full before its record learnt they seldom hold
+# at T=1, and their misses would pull down its estimate of its long matches. It takes matches of 2 tokens or more
+# (as vLLM's ngram): humaneval T=1 at batch 1 with one-token matches, 6.5 tokens verified per lookup draft for 0.8
+# kept (docs/performance.md, issue 46's third run)
+PINNED_MIN_NGRAM = 2
 # The prior chance that lookup token j is accepted after every token before it was (j = 0, 1, ...; the last value
 # for later positions): a continuation that has held for a few tokens tends to go on holding. vLLM's ngram on
 # held-out code (greedy, SmolLM2-135M-Instruct) kept survival 0.72 0.55 0.44 0.43 0.36 0.36 0.35, conditionals
@@ -53,7 +59,7 @@ class PromptLookup:
     def __init__(self, prompt: list[int], min_ngram: int = MIN_NGRAM, max_ngram: int = MAX_NGRAM):
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.tokens: list[int] = []
-        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> position after its latest indexed occurrence
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> position after its earliest occurrence
         self._indexed = 0  # n-grams ending before this position are in the index
         self.extend(prompt)
 
@@ -68,11 +74,13 @@ class PromptLookup:
                 self._index.setdefault(tuple(toks[stop - n: stop]), stop)
         self._indexed = max(self._indexed, end + 1)
 
-    def propose(self, k: int) -> LookupDraft:
-        """Up to ``k`` tokens after the latest earlier occurrence of the longest n-gram ending at the last token."""
+    def propose(self, k: int, min_ngram: int | None = None) -> LookupDraft:
+        """Up to ``k`` tokens after the earliest earlier occurrence of the longest n-gram ending at the last token
+        (``min_ngram``: the shortest match taken, default the index's)."""
         self._catch_up()
         toks = self.tokens
-        for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
+        shortest = max(self.min_ngram, min_ngram or 0)
+        for n in range(min(self.max_ngram, len(toks) - 1), shortest - 1, -1):
             start = self._index.get(tuple(toks[len(toks) - n:]))
             if start is not None:
                 continuation = toks[start: start + k]

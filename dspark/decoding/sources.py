@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dspark.decoding.lookup import LookupRecord, LookupStats, PromptLookup
+from dspark.decoding.lookup import PINNED_MIN_NGRAM, LookupRecord, LookupStats, PromptLookup
 from dspark.decoding.scheduler import StepCostProfile
 
 SOURCES = ("head", "lookup")  # where a row's draft comes from: the DSpark head, or prompt lookup
@@ -99,7 +99,7 @@ class DraftSources:
         ``E >= E_head``. ``k``: tokens the request may still verify."""
         if self.head_only or row.lookup is None or k <= 0:
             return None
-        draft = row.lookup.propose(min(k, self.block_size))
+        draft = row.lookup.propose(min(k, self.block_size), PINNED_MIN_NGRAM if pinned else None)
         if not draft.tokens:
             return None
         record = row.record if pinned else self.lookup_stats.of(draft.match, greedy)
