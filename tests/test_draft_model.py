@@ -59,6 +59,15 @@ def _bound(cfg, seed=0):
     return draft.bind_target(embed, head)
 
 
+def _with_markov(kind: str) -> DSparkDraft:
+    """A tiny bound head of Markov head type ``kind``, its Markov weights large enough to move the logits."""
+    draft = _bound(replace(shrink(seed_config("release")), markov_head_type=kind))
+    with torch.no_grad():
+        for p in draft.markov_head.parameters():
+            p.normal_(0, 0.5)
+    return draft
+
+
 def _hidden(draft, batch=3):
     cfg = draft.config
     gen = torch.Generator().manual_seed(0)
@@ -202,11 +211,7 @@ def test_a_greedy_batch_drafts_what_the_sampling_path_gives_its_greedy_rows(kind
     """A batch of greedy rows skips the per-position distributions and draws (argmax only): the same tokens and
     confidences as those rows get on the sampling path, where a sampled row in the batch makes every row build its
     distribution and draw from it."""
-    cfg = replace(shrink(seed_config("release")), markov_head_type=kind)
-    draft = _bound(cfg)
-    with torch.no_grad():
-        for p in draft.markov_head.parameters():
-            p.normal_(0, 0.5)
+    draft = _with_markov(kind)
     hidden, anchors = _hidden(draft)
 
     def sampling(temperatures):
@@ -231,11 +236,9 @@ def test_a_greedy_batch_drafts_what_the_sampling_path_gives_its_greedy_rows(kind
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
 def test_teacher_forced_block_equals_the_sequential_stage(kind):
     """Training scores a whole block at once; drafting walks it left to right: the same numbers (every head type)."""
-    cfg = replace(shrink(seed_config("release")), markov_head_type=kind)
-    draft = _bound(cfg)
+    draft = _with_markov(kind)
+    cfg = draft.config
     with torch.no_grad():
-        for p in draft.markov_head.parameters():
-            p.normal_(0, 0.5)
         hidden, anchors = _hidden(draft)
         base = draft.base_logits(hidden)
         prev = torch.cat((anchors[:, None], torch.randint(0, 128, (3, cfg.block_size - 1))), dim=1)
